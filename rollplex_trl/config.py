@@ -1,0 +1,105 @@
+"""`RollplexGRPOConfig`: TRL's `GRPOConfig` plus the `rollplex_*` fields.
+
+Every field has a `help` text and a default that is safe: exact, and never slower than TRL when it cannot help.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from trl import GRPOConfig
+
+
+@dataclass
+class RollplexGRPOConfig(GRPOConfig):
+    r"""Configuration for [`RollplexGRPOTrainer`]: everything of [`trl.GRPOConfig`] plus the fields below.
+
+    Parameters that control video data (used when a dataset row has a `video` column):
+        rollplex_video_fps (`float`, defaults to `2.0`): frames sampled per second of video (qwen-vl-utils' FPS).
+        rollplex_video_min_frames (`int`, defaults to `4`): fewest frames sampled from one video.
+        rollplex_video_max_frames (`int`, defaults to `16`): most frames sampled from one video (Video-R1 uses 16).
+        rollplex_video_min_pixels (`int`, defaults to `16 * 28 * 28`): lower bound on pixels per sampled frame.
+        rollplex_video_max_pixels (`int`, defaults to `128 * 28 * 28`): upper bound on pixels per sampled frame
+            (Video-R1 trains with 128 * 28 * 28).
+        rollplex_max_prompt_length (`int` or `None`, defaults to `None`): budget for prompt tokens, visual tokens
+            included. A longer prompt is an error (or skipped, see below); it is never cut, because cutting would
+            drop visual tokens and desynchronise them from the pixel inputs.
+        rollplex_skip_invalid_samples (`bool`, defaults to `False`): skip samples whose video or image is missing
+            or undecodable, or whose prompt exceeds the budget, instead of raising. Skipped samples are replaced by
+            the next valid one and counted in the `rollplex/skipped_samples` metric.
+        rollplex_media_cache_size (`int`, defaults to `64`): prepared prompts (decoded frames and processor output)
+            kept in memory, so that the G copies of a prompt and the repeated generation batches decode once.
+    """
+
+    rollplex_video_fps: float = field(
+        default=2.0, metadata={"help": "Frames sampled per second of video, as qwen-vl-utils does (FPS)."}
+    )
+    rollplex_video_min_frames: int = field(default=4, metadata={"help": "Fewest frames sampled from one video."})
+    rollplex_video_max_frames: int = field(
+        default=16, metadata={"help": "Most frames sampled from one video (Video-R1 trains with 16)."}
+    )
+    rollplex_video_min_pixels: int = field(
+        default=16 * 28 * 28, metadata={"help": "Lower bound on the pixels of one sampled video frame."}
+    )
+    rollplex_video_max_pixels: int = field(
+        default=128 * 28 * 28,
+        metadata={"help": "Upper bound on the pixels of one sampled video frame (Video-R1: 128*28*28)."},
+    )
+    rollplex_max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Budget for prompt tokens, visual tokens included. Longer prompts raise an error naming the "
+            "sample (or are skipped with rollplex_skip_invalid_samples); they are never truncated, because cutting "
+            "a prompt would cut visual tokens. None means no budget."
+        },
+    )
+    rollplex_skip_invalid_samples: bool = field(
+        default=False,
+        metadata={
+            "help": "Skip samples with a missing or undecodable video/image or an over-budget prompt instead of "
+            "raising. Each skipped sample is replaced by the next valid one and counted in rollplex/skipped_samples."
+        },
+    )
+    rollplex_media_cache_size: int = field(
+        default=64,
+        metadata={
+            "help": "How many prepared prompts (decoded frames + processor output) to keep in memory, so the G "
+            "copies of a prompt and repeated generation batches decode each video once."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _validate(self)
+
+
+def rollplex_field_names() -> list[str]:
+    """Names of the fields RollplexGRPOConfig adds to GRPOConfig."""
+    base = {f.name for f in fields(GRPOConfig)}
+    return [f.name for f in fields(RollplexGRPOConfig) if f.name not in base]
+
+
+def rollplex_options(args: Any) -> dict[str, Any]:
+    """The rollplex_* values of ``args``; a plain GRPOConfig gets the (safe) defaults."""
+    defaults = {f.name: f.default for f in fields(RollplexGRPOConfig)}
+    return {name: getattr(args, name, defaults[name]) for name in rollplex_field_names()}
+
+
+def _validate(cfg: RollplexGRPOConfig) -> None:
+    if cfg.rollplex_video_fps <= 0:
+        raise ValueError(f"rollplex_video_fps must be > 0, got {cfg.rollplex_video_fps}")
+    if not 1 <= cfg.rollplex_video_min_frames <= cfg.rollplex_video_max_frames:
+        raise ValueError(
+            "need 1 <= rollplex_video_min_frames <= rollplex_video_max_frames, got "
+            f"{cfg.rollplex_video_min_frames} and {cfg.rollplex_video_max_frames}"
+        )
+    if not 0 < cfg.rollplex_video_min_pixels <= cfg.rollplex_video_max_pixels:
+        raise ValueError(
+            "need 0 < rollplex_video_min_pixels <= rollplex_video_max_pixels, got "
+            f"{cfg.rollplex_video_min_pixels} and {cfg.rollplex_video_max_pixels}"
+        )
+    if cfg.rollplex_max_prompt_length is not None and cfg.rollplex_max_prompt_length <= 0:
+        raise ValueError(f"rollplex_max_prompt_length must be positive or None, got {cfg.rollplex_max_prompt_length}")
+    if cfg.rollplex_media_cache_size < 0:
+        raise ValueError(f"rollplex_media_cache_size must be >= 0, got {cfg.rollplex_media_cache_size}")

@@ -1,0 +1,315 @@
+"""Local checkpoints for tests, examples and benchmarks, built without any model hub.
+
+Each builder writes a *real* checkpoint with ``save_pretrained`` (config, random weights, a byte-level BPE
+tokenizer trained with ``tokenizers`` that carries Qwen's special tokens, Qwen2.5-VL's chat template and, for the
+VL model, a ``Qwen2_5_VLProcessor`` with image and video processors), so that everything downstream goes through
+the same ``from_pretrained`` code paths a user's Qwen checkpoint would.
+
+Presets:
+- ``tiny``: unit tests; a few hundred thousand parameters, loads in well under 2 s.
+- ``small``: benchmarks; head_dim 64 (vLLM's CPU attention rejects 16) and tens of millions of parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Bump when the builders change in a way that changes what they write: cached checkpoints are keyed by it.
+BUILDER_VERSION = 2
+
+ModelKind = Literal["qwen2_5_vl", "qwen2"]
+
+# Qwen's special tokens. Their order fixes their ids (they come first in the vocabulary).
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
+
+# Qwen2.5-VL's chat template (as shipped with Qwen/Qwen2.5-VL-*-Instruct): a default system prompt, one
+# <|vision_start|><|image_pad|><|vision_end|> block per image and <|video_pad|> per video.
+QWEN2_5_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TextPreset:
+    """Shape of the language model (shared by Qwen2 and the LLM inside Qwen2.5-VL)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    mrope_section: tuple[int, int, int]  # sums to head_dim / 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass(frozen=True)
+class VisionPreset:
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    fullatt_block_indexes: tuple[int, ...]
+    window_size: int = 112
+    patch_size: int = 14
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    tokens_per_second: int = 2
+
+
+@dataclass(frozen=True)
+class Preset:
+    text: TextPreset
+    vision: VisionPreset
+    # Per-frame / per-image pixel bounds of the processors (multiples of 28*28).
+    min_pixels: int = 4 * 28 * 28
+    max_pixels: int = 256 * 28 * 28
+    extra: dict = field(default_factory=dict)
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        text=TextPreset(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, mrope_section=(2, 3, 3)),
+        vision=VisionPreset(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, fullatt_block_indexes=(1,)),
+    ),
+    "small": Preset(
+        text=TextPreset(vocab_size=4096, hidden_size=512, intermediate_size=1376, num_hidden_layers=6,
+                        num_attention_heads=8, num_key_value_heads=2, mrope_section=(8, 12, 12)),
+        vision=VisionPreset(depth=4, hidden_size=256, intermediate_size=512, num_heads=4,
+                            fullatt_block_indexes=(1, 3)),
+    ),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------------------------------
+
+def _training_corpus() -> list[str]:
+    """A small deterministic corpus covering what our tasks and prompts say, so BPE learns useful merges."""
+    colours = ["red", "green", "blue", "yellow", "white", "black", "purple", "orange", "cyan", "magenta"]
+    shapes = ["circle", "square", "object", "ball", "box", "dot"]
+    directions = ["left", "right", "up", "down"]
+    lines = [
+        "Please think about this question as if you were a human pondering deeply. Engage in an internal dialogue "
+        "using expressions such as 'let me think', 'wait', 'Hmm', 'oh, I see', 'let's break it down', etc, or other "
+        "natural language thought expressions It's encouraged to include self-reflection or verification in the "
+        "reasoning process. Provide your detailed reasoning between the <think> </think> tags, and then give your "
+        "final answer between the <answer> </answer> tags.",
+        "Please provide only the single option letter (e.g., A, B, C, D, etc.) within the <answer> </answer> tags.",
+        "Please provide the numerical value (e.g., 42 or 3.14) within the <answer> </answer> tags.",
+        "Please transcribe text from the image/video clearly and provide your text answer within the <answer> "
+        "</answer> tags.",
+        "Please provide your text answer within the <answer> </answer> tags.",
+        "You are a helpful assistant.",
+        "system user assistant Options: A. B. C. D. E.",
+    ]
+    for c in colours:
+        for s in shapes:
+            lines.append(f"How many {c} {s}s appear in the video? <think>I count the {c} {s}s.</think> "
+                         f"<answer>{len(c) % 7}</answer>")
+        for d in directions:
+            lines.append(f"In which direction does the {c} object move? It moves {d}. <answer>{d}</answer>")
+        lines.append(f"Which object appeared first in the video? The {c} one appeared first.")
+    lines += [" ".join(str(i) for i in range(0, 101)), "0.5 1.25 3.14 42 100 1,000"]
+    return lines * 4
+
+
+def build_tokenizer(vocab_size: int):
+    """Train a byte-level BPE tokenizer (like Qwen's) with Qwen's special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_corpus(), trainer=trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        unk_token=None,
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+        padding_side="left",  # TRL and the Qwen processors expect left padding for prompts
+        truncation_side="left",
+        model_max_length=32768,
+    )
+    hf_tok.chat_template = QWEN2_5_VL_CHAT_TEMPLATE
+    return hf_tok
+
+
+def _padded_vocab_size(n_tokens: int, multiple: int = 64) -> int:
+    # Like real checkpoints, the embedding is padded beyond the tokenizer's size (vLLM/Megatron pad too).
+    return ((n_tokens + multiple - 1) // multiple) * multiple
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Builders
+# ----------------------------------------------------------------------------------------------------------------
+
+def _text_config_kwargs(p: TextPreset, tokenizer, with_mrope: bool) -> dict:
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    kwargs = dict(
+        vocab_size=_padded_vocab_size(len(tokenizer)),
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_hidden_layers,
+        num_attention_heads=p.num_attention_heads,
+        num_key_value_heads=p.num_key_value_heads,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=ids[ENDOFTEXT],
+        eos_token_id=ids[IM_END],
+        pad_token_id=ids[ENDOFTEXT],
+    )
+    if with_mrope:
+        kwargs["rope_scaling"] = {"type": "default", "rope_type": "default", "mrope_section": list(p.mrope_section)}
+    return kwargs
+
+
+def _build_qwen2_5_vl(out_dir: Path, preset: Preset, seed: int) -> None:
+    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_5_vl import Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    tokenizer = build_tokenizer(preset.text.vocab_size)
+    text_kwargs = _text_config_kwargs(preset.text, tokenizer, with_mrope=True)
+    v = preset.vision
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = Qwen2_5_VLConfig(
+        text_config=text_kwargs,
+        vision_config=dict(
+            depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size, num_heads=v.num_heads,
+            out_hidden_size=preset.text.hidden_size, patch_size=v.patch_size, spatial_merge_size=v.spatial_merge_size,
+            temporal_patch_size=v.temporal_patch_size, window_size=v.window_size,
+            fullatt_block_indexes=list(v.fullatt_block_indexes), tokens_per_second=v.tokens_per_second,
+        ),
+        image_token_id=ids[IMAGE_PAD],
+        video_token_id=ids[VIDEO_PAD],
+        vision_start_token_id=ids[VISION_START],
+        vision_end_token_id=ids[VISION_END],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids[ENDOFTEXT], eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT],
+    )
+    model.save_pretrained(out_dir)
+
+    pixel_kwargs = dict(min_pixels=preset.min_pixels, max_pixels=preset.max_pixels, patch_size=v.patch_size,
+                        merge_size=v.spatial_merge_size, temporal_patch_size=v.temporal_patch_size)
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**pixel_kwargs),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(**pixel_kwargs),
+        chat_template=QWEN2_5_VL_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out_dir)
+
+
+def _build_qwen2(out_dir: Path, preset: Preset, seed: int) -> None:
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer(preset.text.vocab_size)
+    config = Qwen2Config(**_text_config_kwargs(preset.text, tokenizer, with_mrope=False))
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (ENDOFTEXT, IM_END)}
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids[ENDOFTEXT], eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT],
+    )
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+_BUILDERS = {"qwen2_5_vl": _build_qwen2_5_vl, "qwen2": _build_qwen2}
+
+
+def build_checkpoint(out_dir: str | os.PathLike, kind: ModelKind = "qwen2_5_vl", preset: str = "tiny",
+                     seed: int = 0) -> Path:
+    """Write a checkpoint of ``kind`` and ``preset`` to ``out_dir`` (overwriting it) and return the path."""
+    if kind not in _BUILDERS:
+        raise ValueError(f"unknown checkpoint kind {kind!r}; choose one of {sorted(_BUILDERS)}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _BUILDERS[kind](out, PRESETS[preset], seed)
+    (out / "rollplex_checkpoint.json").write_text(
+        json.dumps({"kind": kind, "preset": preset, "seed": seed, "builder_version": BUILDER_VERSION}, indent=2)
+    )
+    return out
+
+
+def default_cache_dir() -> Path:
+    """Where built checkpoints are cached: ``$ROLLPLEX_CACHE`` or ``~/.cache/rollplex_trl``."""
+    return Path(os.environ.get("ROLLPLEX_CACHE", Path.home() / ".cache" / "rollplex_trl"))
+
+
+def get_checkpoint(kind: ModelKind = "qwen2_5_vl", preset: str = "tiny", seed: int = 0,
+                   cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return the path of a cached local checkpoint, building it on first use.
+
+    The build goes to a temporary directory that is renamed into place, so concurrent test processes and an
+    interrupted build never leave a half-written checkpoint behind.
+    """
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / "checkpoints" / f"{kind}-{preset}-seed{seed}-v{BUILDER_VERSION}"
+    if (target / "rollplex_checkpoint.json").exists():
+        return target
+    root.joinpath("checkpoints").mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        build_checkpoint(tmp, kind=kind, preset=preset, seed=seed)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process won the race; its checkpoint is identical
+            if not (target / "rollplex_checkpoint.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("built %s checkpoint %s at %s", kind, preset, target)
+    return target

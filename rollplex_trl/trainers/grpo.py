@@ -1,0 +1,226 @@
+"""`RollplexGRPOTrainer`: TRL's GRPOTrainer, plus video, with the narrowest overrides that work.
+
+What this class changes, and where:
+- `__init__`: wraps datasets that have a `video`/`videos` column in a `PreparedPromptDataset` (media decoded and
+  processed once per prompt); suppresses the video placeholder token in sampling as TRL does for images.
+- `_generate_and_score_completions`: for batches of prepared prompts, makes the rows' vision inputs visible to the
+  old/ref log-prob passes TRL runs inside, and returns them per row (`rollplex_prompt`) so they follow TRL's
+  shuffling and micro-batch splitting. Everything else (rewards, advantages, metrics) is TRL's own code.
+- `_tokenize_prompts`: token ids and vision tensors come from the prepared prompts instead of a second processor
+  pass (TRL's collects images only).
+- `_get_per_token_logps_and_entropies`: for prepared rows, builds each chunk's vision inputs (images, videos,
+  `second_per_grid_ts`, `mm_token_type_ids`) and calls the model exactly like TRL (fused LM head, labels).
+- `compute_loss`: makes the micro-batch's rows visible to the actor pass; the loss itself is TRL's.
+Batches without prepared prompts (text, or images in TRL's `image`/`images` columns) run TRL's code unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+
+from rollplex_trl.config import rollplex_options
+from rollplex_trl.data.errors import RollplexDataError
+from rollplex_trl.data.video import VideoSamplingConfig
+from rollplex_trl.multimodal.dataset import (
+    PREPARED_KEY,
+    MediaOptions,
+    PreparedPromptDataset,
+    has_video_column,
+)
+from rollplex_trl.multimodal.prompt import (
+    PreparedPrompt,
+    check_rows_match_ids,
+    generation_fields,
+    token_type_ids,
+    vision_inputs,
+)
+
+logger = logging.getLogger(__name__)
+
+# Keyword arguments of TRL's `_get_per_token_logps_and_entropies` that carry vision inputs.
+_TRL_VISION_KWARGS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
+                      "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+class RollplexGRPOTrainer(GRPOTrainer):
+    """Drop-in replacement for `trl.GRPOTrainer` that also trains on video (Qwen2.5-VL).
+
+    Use it like `GRPOTrainer`; configure it with `RollplexGRPOConfig` (a `GRPOConfig` subclass; a plain
+    `GRPOConfig` also works and gets the safe defaults of every `rollplex_*` field).
+    """
+
+    _tag_names = ["trl", "grpo", "rollplex"]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rollplex = rollplex_options(self.args)
+        # Rows of the batch whose log-probs are being computed (None outside our passes): see `_rows_in_flight`.
+        self._rows_in_flight: list[PreparedPrompt] | None = None
+        # Prepared prompts of the generation batch being tokenized, consumed by `_tokenize_prompts`.
+        self._rows_to_tokenize: list[PreparedPrompt] | None = None
+        if self._wrap_datasets():
+            self._suppress_video_token()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Setup
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _media_options(self) -> MediaOptions:
+        o = self.rollplex
+        return MediaOptions(
+            sampling=VideoSamplingConfig(
+                fps=o["rollplex_video_fps"], min_frames=o["rollplex_video_min_frames"],
+                max_frames=o["rollplex_video_max_frames"], min_pixels=o["rollplex_video_min_pixels"],
+                max_pixels=o["rollplex_video_max_pixels"],
+            ),
+            max_prompt_length=o["rollplex_max_prompt_length"],
+            skip_invalid=o["rollplex_skip_invalid_samples"],
+            cache_size=o["rollplex_media_cache_size"],
+            chat_template=self.chat_template,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
+
+    def _wrap(self, dataset: Any, name: str) -> Any:
+        if dataset is None or isinstance(dataset, PreparedPromptDataset) or not has_video_column(dataset):
+            return dataset
+        if not self._is_vlm:
+            raise RollplexDataError(
+                f"the {name} dataset has a video column but the processing class is a tokenizer, not a processor. "
+                "Pass the model's processor (e.g. AutoProcessor.from_pretrained(...)) as processing_class."
+            )
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
+            raise RollplexDataError(
+                f"the {name} dataset is iterable; video datasets must be map-style (datasets.Dataset) for now."
+            )
+        if self.use_vllm:
+            raise NotImplementedError(
+                "video prompts with use_vllm=True are not supported yet (the vLLM rollout engine is future work); "
+                "use the transformers generation path (use_vllm=False)."
+            )
+        if self.tools or self.environment_factories is not None or self.rollout_func is not None:
+            raise NotImplementedError("video prompts with tools, environments or a rollout_func are not supported.")
+        return PreparedPromptDataset(dataset, self.processing_class, self._media_options())
+
+    def _wrap_datasets(self) -> bool:
+        """Wrap the video datasets; returns whether any dataset has video."""
+        self.train_dataset = self._wrap(self.train_dataset, "train")
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {k: self._wrap(v, f"eval[{k}]") for k, v in self.eval_dataset.items()}
+            evals = list(self.eval_dataset.values())
+        else:
+            self.eval_dataset = self._wrap(self.eval_dataset, "eval")
+            evals = [self.eval_dataset]
+        return any(isinstance(d, PreparedPromptDataset) for d in [self.train_dataset, *evals])
+
+    def _suppress_video_token(self) -> None:
+        # TRL suppresses the image placeholder in sampling ("a sampled image token would mismatch the image
+        # features"); a sampled video placeholder would do the same to the video features. Only for video
+        # datasets: changing the sampling distribution otherwise would make image/text runs differ from TRL's.
+        video_token_id = getattr(self.model.config, "video_token_id", None)
+        gen_config = getattr(self, "generation_config", None)
+        if not self._is_vlm or video_token_id is None or gen_config is None:
+            return
+        suppressed = list(gen_config.suppress_tokens or [])
+        if video_token_id not in suppressed:
+            gen_config.suppress_tokens = suppressed + [video_token_id]
+            self.generation_kwargs["suppress_tokens"] = gen_config.suppress_tokens
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Generation and scoring
+    # ------------------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _rows_in_flight_as(self, rows: list[PreparedPrompt] | None) -> Iterator[None]:
+        """Make `rows` (one PreparedPrompt per batch row) the vision inputs of the log-prob passes inside."""
+        previous = self._rows_in_flight
+        self._rows_in_flight = rows
+        try:
+            yield
+        finally:
+            self._rows_in_flight = previous
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        rows = [x.get(PREPARED_KEY) for x in inputs]
+        if all(r is None for r in rows):
+            return super()._generate_and_score_completions(inputs)
+        if any(r is None for r in rows):
+            raise RuntimeError("internal error: a generation batch mixes prepared and unprepared rows")
+        self._rows_to_tokenize = rows
+        try:
+            with self._rows_in_flight_as(rows):
+                output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._rows_to_tokenize = None
+        output[PREPARED_KEY] = rows  # a list: TRL shuffles and splits it together with the row tensors
+        self._metrics["train" if self.model.training else "eval"]["rollplex/skipped_samples"].append(
+            float(getattr(self.train_dataset, "num_skipped", 0))
+        )
+        return output
+
+    def _tokenize_prompts(self, prompts: list):
+        rows = self._rows_to_tokenize
+        if rows is None:
+            return super()._tokenize_prompts(prompts)
+        if len(rows) != len(prompts):
+            raise RuntimeError(f"internal error: {len(rows)} prepared prompts for {len(prompts)} prompts")
+        return [list(r.prompt_ids) for r in rows], None, generation_fields(rows)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Log-probs and loss
+    # ------------------------------------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        with self._rows_in_flight_as(inputs.get(PREPARED_KEY)):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **vision_kwargs):
+        rows = self._rows_in_flight
+        if rows is None:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **vision_kwargs,
+            )
+        unexpected = [k for k in _TRL_VISION_KWARGS if vision_kwargs.get(k) is not None]
+        if unexpected:
+            raise RuntimeError(f"internal error: TRL passed vision inputs {unexpected} for prepared rows")
+        prompt_length = input_ids.size(1) - logits_to_keep
+        check_rows_match_ids(rows, input_ids[:, :prompt_length])
+        return self._prepared_rows_logps(model, rows, input_ids, attention_mask, logits_to_keep, batch_size,
+                                         compute_entropy, compute_aux_loss)
+
+    def _prepared_rows_logps(self, model, rows, input_ids, attention_mask, logits_to_keep, batch_size,
+                             compute_entropy, compute_aux_loss):
+        """TRL's chunked fused-head log-prob pass, with each chunk's vision inputs built from its rows."""
+        batch_size = batch_size or input_ids.size(0)
+        prompt_length = input_ids.size(1) - logits_to_keep
+        device = input_ids.device
+        all_logps, all_entropies, all_aux = [], [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            end = min(start + batch_size, input_ids.size(0))
+            chunk_rows = rows[start:end]
+            ids, mask = input_ids[start:end], attention_mask[start:end]
+            model_inputs = {"input_ids": ids, "attention_mask": mask, **vision_inputs(chunk_rows, device)}
+            model_inputs["mm_token_type_ids"] = token_type_ids(chunk_rows, prompt_length, ids.size(1), device)
+            if compute_aux_loss:
+                model_inputs["output_router_logits"] = True
+            labels = ids.masked_fill(mask == 0, -100)
+            labels[:, :-logits_to_keep] = -100
+            with self.accelerator.autocast():
+                outputs = model(**model_inputs, labels=labels, fused_lm_head=True)
+            all_logps.append(outputs.log_probs[:, -logits_to_keep:])
+            if compute_entropy:
+                all_entropies.append(outputs.entropy[:, -logits_to_keep:])
+            if compute_aux_loss:
+                all_aux.append(outputs.aux_loss)
+        logps = torch.cat(all_logps, dim=0)
+        entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
+        aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None
+        return logps, entropies, aux_loss

@@ -1,0 +1,72 @@
+"""On text and image prompts RollplexGRPOTrainer must train exactly like trl.GRPOTrainer (same seed, step for step)."""
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from PIL import Image
+from trl import GRPOConfig, GRPOTrainer
+
+from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
+
+KEYS = ("loss", "reward", "kl", "grad_norm", "entropy", "completions/mean_length")
+
+
+def length_reward(completions, **kwargs):
+    """A reward that varies between completions, so advantages and gradients are non-zero."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(len(t) % 7) for t in texts]
+
+
+def _config(cls, tmp_path, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=8, learning_rate=1e-2, beta=0.1, logging_steps=1, report_to=[], seed=7,
+        use_cpu=True, bf16=False, save_strategy="no", gradient_checkpointing=False,
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def _train(trainer_cls, config_cls, model_path, dataset, tmp_path, **overrides):
+    trainer = trainer_cls(model=str(model_path), reward_funcs=length_reward, args=_config(config_cls, tmp_path,
+                          **overrides), train_dataset=dataset)
+    trainer.train()
+    return [r for r in trainer.state.log_history if "loss" in r], trainer
+
+
+def _assert_same_history(ours, theirs):
+    assert len(ours) == len(theirs) == 3
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        for key in KEYS:
+            assert key in a and key in b, f"{key} missing at step {step}"
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-5), f"{key} differs at step {step}"
+
+
+def test_text_prompts_match_trl(tiny_qwen2_path, tmp_path):
+    prompts = [[{"role": "user", "content": f"count to {i} please"}] for i in range(8)]
+    dataset = Dataset.from_dict({"prompt": prompts})
+    theirs, _ = _train(GRPOTrainer, GRPOConfig, tiny_qwen2_path, dataset, tmp_path / "trl")
+    ours, trainer = _train(RollplexGRPOTrainer, RollplexGRPOConfig, tiny_qwen2_path, dataset, tmp_path / "ours")
+    _assert_same_history(ours, theirs)
+    assert trainer.state.global_step == 3
+
+
+def test_image_prompts_match_trl(tiny_vl_path, tmp_path):
+    rng = np.random.default_rng(0)
+    sizes = [(56, 56), (56, 84), (84, 56), (56, 56)]
+    images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in sizes * 2]
+    prompts = [[{"role": "user", "content": f"What is in picture {i}?"}] for i in range(8)]
+    dataset = Dataset.from_dict({"prompt": prompts, "image": images})
+    theirs, _ = _train(GRPOTrainer, GRPOConfig, tiny_vl_path, dataset, tmp_path / "trl")
+    ours, _ = _train(RollplexGRPOTrainer, RollplexGRPOConfig, tiny_vl_path, dataset, tmp_path / "ours")
+    _assert_same_history(ours, theirs)
+
+
+def test_plain_grpo_config_gets_safe_defaults(tiny_qwen2_path, tmp_path):
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]] * 4})
+    trainer = RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=length_reward,
+                                  args=_config(GRPOConfig, tmp_path, max_steps=1), train_dataset=dataset)
+    assert trainer.rollplex["rollplex_max_prompt_length"] is None
+    assert trainer.rollplex["rollplex_skip_invalid_samples"] is False
+    assert torch.is_tensor(next(trainer.model.parameters()))
