@@ -152,7 +152,7 @@ class PreparedPromptDataset(torch.utils.data.Dataset):
         if isinstance(value, (str, os.PathLike)):
             return load_video(str(value), self.options.sampling, sample_id=sample_id)
         # A list of frames (PIL images / arrays) or a frame tensor: already sampled, at the configured fps.
-        return frames_to_video(value, self.options.sampling.fps, self.options.sampling)
+        return frames_to_video(value, self.options.sampling.fps, self.options.sampling, sample_id=sample_id)
 
     def _load_image(self, value: Any, sample_id: str):
         if isinstance(value, (str, os.PathLike)):

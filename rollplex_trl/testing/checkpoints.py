@@ -26,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Bump when the builders change in a way that changes what they write: cached checkpoints are keyed by it.
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 
 ModelKind = Literal["qwen2_5_vl", "qwen2"]
 
@@ -244,7 +244,8 @@ def _build_qwen2_5_vl(out_dir: Path, preset: Preset, seed: int) -> None:
     processor = Qwen2_5_VLProcessor(
         image_processor=Qwen2VLImageProcessor(**pixel_kwargs),
         tokenizer=tokenizer,
-        video_processor=Qwen2VLVideoProcessor(**pixel_kwargs),
+        # cap_pixels_per_frame: qwen-vl-utils' per-frame pixel cap (the reference behaviour, default from v5.22).
+        video_processor=Qwen2VLVideoProcessor(**pixel_kwargs, cap_pixels_per_frame=True),
         chat_template=QWEN2_5_VL_CHAT_TEMPLATE,
     )
     processor.save_pretrained(out_dir)

@@ -1,0 +1,76 @@
+"""Small helpers shared by tests: writing real MP4 files and building reference model inputs independently."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import av
+import numpy as np
+import torch
+
+
+def write_mp4(path: Path, num_frames: int, height: int, width: int, fps: int = 4, seed: int = 0) -> Path:
+    """Write a real H.264/MPEG-4 clip of smooth random colour blocks (compressible, but not constant)."""
+    rng = np.random.default_rng(seed)
+    codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        base = rng.integers(0, 255, (height // 8 + 1, width // 8 + 1, 3), dtype=np.uint8)
+        for i in range(num_frames):
+            frame = np.kron(np.roll(base, i, axis=1), np.ones((8, 8, 1), dtype=np.uint8))[:height, :width]
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def reference_logps(model, processor, rows: list[dict], completion_ids: torch.Tensor,
+                    completion_mask: torch.Tensor, pad_id: int, temperature: float = 1.0,
+                    drop_vision: bool = False) -> torch.Tensor:
+    """Per-token completion log-probs from one plain full-sequence forward, built without rollplex code.
+
+    Each of `rows` is `{"text": chat-templated prompt, "images": [PIL], "videos": [SampledVideo]}`. Each row is
+    processed on its own by the processor, left-padded by hand, and run with explicit vision inputs and
+    `mm_token_type_ids` (what TRL 1.16 never passes for video). `drop_vision=True` leaves the vision inputs out of
+    the forward, which is what TRL 1.16 silently does with video prompts.
+    """
+    from transformers.video_utils import VideoMetadata
+
+    processed = []
+    for row in rows:
+        kwargs = {}
+        if row.get("images"):
+            kwargs["images"] = row["images"]
+        if row.get("videos"):
+            kwargs["videos"] = [v.frames for v in row["videos"]]
+            kwargs["videos_kwargs"] = dict(
+                video_metadata=[VideoMetadata(total_num_frames=v.total_frames, fps=v.video_fps,
+                                              frames_indices=list(v.frame_indices)) for v in row["videos"]],
+                do_sample_frames=False)
+        processed.append(processor(text=[row["text"]], return_tensors="pt", **kwargs))
+    P = max(r["input_ids"].size(1) for r in processed)
+    B, C = len(processed), completion_ids.size(1)
+    ids = torch.full((B, P), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, P, dtype=torch.long)
+    mm = torch.zeros(B, P + C, dtype=torch.long)
+    for i, r in enumerate(processed):
+        n = r["input_ids"].size(1)
+        ids[i, P - n:] = r["input_ids"][0]
+        mask[i, P - n:] = 1
+        mm[i, P - n:P] = r["mm_token_type_ids"][0]
+    vision = {}
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        parts = [torch.as_tensor(r[key]) for r in processed if key in r]
+        if parts and not drop_vision:
+            vision[key] = torch.cat(parts)
+    full_ids = torch.cat([ids, completion_ids], 1)
+    full_mask = torch.cat([mask, completion_mask], 1)
+    if drop_vision:
+        mm = None
+    logits = model(input_ids=full_ids, attention_mask=full_mask, mm_token_type_ids=mm, use_cache=False,
+                   **vision).logits
+    logits = logits[:, P - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
