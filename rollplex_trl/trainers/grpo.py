@@ -17,12 +17,15 @@ Batches without prepared prompts (text, or images in TRL's `image`/`images` colu
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from trl import GRPOTrainer
+from trl.trainer.grpo_trainer import is_async_callable  # TRL's own test for async reward functions
 
 from rollplex_trl.config import rollplex_options
 from rollplex_trl.data.errors import RollplexDataError
@@ -66,6 +69,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
         self._rows_to_tokenize: list[PreparedPrompt] | None = None
         if self._wrap_datasets():
             self._suppress_video_token()
+        self.reward_funcs = [_reject_nan_rewards(f, name) for f, name in zip(self.reward_funcs,
+                                                                              self.reward_func_names, strict=True)]
 
     # ------------------------------------------------------------------------------------------------------------
     # Setup
@@ -224,3 +229,29 @@ class RollplexGRPOTrainer(GRPOTrainer):
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
         aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None
         return logps, entropies, aux_loss
+
+
+def _reject_nan_rewards(func: Callable, name: str) -> Callable:
+    """Make a synchronous reward function fail loudly when it returns NaN.
+
+    TRL reads `None` as "this reward does not apply to this sample" and turns it into NaN, which later sums as 0. A
+    NaN coming back from the function itself is a bug in the reward, and would be treated the same way: silently.
+    Models (nn.Module) and async functions are returned unchanged.
+    """
+    if isinstance(func, torch.nn.Module) or not callable(func) or is_async_callable(func):
+        return func
+
+    @functools.wraps(func)
+    def checked(*args: Any, **kwargs: Any):
+        rewards = func(*args, **kwargs)
+        for i, r in enumerate(rewards):
+            if r is not None and isinstance(r, float | int) and math.isnan(r):
+                ids = kwargs.get("problem_id")
+                sample = f"problem_id {ids[i]}" if isinstance(ids, list) and i < len(ids) else f"row {i}"
+                raise RollplexDataError(
+                    f"reward function '{name}' returned NaN for {sample} of the batch. Return None for samples "
+                    "the reward does not apply to, or fix the reward."
+                )
+        return rewards
+
+    return checked

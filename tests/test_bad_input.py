@@ -1,0 +1,109 @@
+"""Bad input gets a clear error naming the sample and the file, or (opt-in) is skipped and counted."""
+
+import pytest
+from datasets import Dataset
+
+from helpers import write_mp4
+from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
+from rollplex_trl.data.errors import RollplexDataError
+
+
+def reward(completions, **kwargs):
+    return [float(len(c[0]["content"]) % 3) for c in completions]
+
+
+def _config(tmp_path, **overrides):
+    kwargs = dict(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=4, num_generations=2,
+                  max_completion_length=4, report_to=[], use_cpu=True, bf16=False, save_strategy="no",
+                  gradient_checkpointing=False, logging_steps=1, seed=0, shuffle_dataset=False,
+                  rollplex_video_min_pixels=4 * 28 * 28, rollplex_video_max_pixels=56 * 56)
+    kwargs.update(overrides)
+    return RollplexGRPOConfig(**kwargs)
+
+
+def _row(pid, path):
+    return {"problem_id": pid, "video": str(path),
+            "prompt": [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "How many?"}]}]}
+
+
+def _trainer(path, rows, config, func=reward):
+    return RollplexGRPOTrainer(model=str(path), reward_funcs=func, args=config, train_dataset=Dataset.from_list(rows))
+
+
+def test_missing_video_names_sample_and_file(tiny_vl_path, tmp_path):
+    good = write_mp4(tmp_path / "good.mp4", 8, 56, 56)
+    missing = tmp_path / "nowhere" / "gone.mp4"
+    trainer = _trainer(tiny_vl_path, [_row(501, missing), _row(502, good)], _config(tmp_path))
+    with pytest.raises(RollplexDataError) as info:
+        trainer.train()
+    assert "501" in str(info.value) and str(missing) in str(info.value)
+
+
+def test_undecodable_video_names_sample_and_file(tiny_vl_path, tmp_path):
+    corrupt = tmp_path / "corrupt.mp4"
+    corrupt.write_bytes(b"\x00\x01 this is not a video " * 100)
+    good = write_mp4(tmp_path / "good.mp4", 8, 56, 56)
+    trainer = _trainer(tiny_vl_path, [_row(601, corrupt), _row(602, good)], _config(tmp_path))
+    with pytest.raises(RollplexDataError) as info:
+        trainer.train()
+    assert "601" in str(info.value) and "corrupt.mp4" in str(info.value)
+
+
+def test_invalid_samples_can_be_skipped_and_are_counted(tiny_vl_path, tmp_path):
+    good_a = write_mp4(tmp_path / "a.mp4", 8, 56, 56, seed=1)
+    good_b = write_mp4(tmp_path / "b.mp4", 8, 56, 56, seed=2)
+    rows = [_row(701, tmp_path / "missing.mp4"), _row(702, good_a), _row(703, good_b)]
+    trainer = _trainer(tiny_vl_path, rows, _config(tmp_path, rollplex_skip_invalid_samples=True, max_steps=2))
+    trainer.train()
+    assert trainer.train_dataset.num_skipped == 1
+    assert 0 in trainer.train_dataset.skipped and "missing.mp4" in trainer.train_dataset.skipped[0]
+    logged = [r["rollplex/skipped_samples"] for r in trainer.state.log_history if "rollplex/skipped_samples" in r]
+    assert logged and max(logged) == 1.0
+    # the stand-in for the invalid row is a valid prompt, never the invalid one
+    assert trainer.train_dataset[0]["problem_id"] in (702, 703)
+
+
+def test_over_budget_prompt_is_an_error_not_a_truncation(tiny_vl_path, tmp_path):
+    clip = write_mp4(tmp_path / "a.mp4", 8, 56, 56)
+    trainer = _trainer(tiny_vl_path, [_row(801, clip)], _config(tmp_path, rollplex_max_prompt_length=20))
+    with pytest.raises(RollplexDataError) as info:
+        trainer.train_dataset[0]
+    message = str(info.value)
+    assert "801" in message and "rollplex_max_prompt_length=20" in message and "visual" in message
+
+
+def test_empty_dataset_is_a_clear_error(tiny_vl_path, tmp_path):
+    empty = Dataset.from_dict({"problem_id": [], "video": [], "prompt": []})
+    with pytest.raises((RollplexDataError, ValueError)) as info:
+        RollplexGRPOTrainer(model=str(tiny_vl_path), reward_funcs=reward, args=_config(tmp_path),
+                            train_dataset=empty)
+    assert "empty" in str(info.value).lower() or "no " in str(info.value).lower()
+
+
+def test_nan_reward_is_an_error_naming_the_function(tiny_vl_path, tmp_path):
+    clip = write_mp4(tmp_path / "a.mp4", 8, 56, 56)
+
+    def broken_reward(completions, **kwargs):
+        return [float("nan")] * len(completions)
+
+    trainer = _trainer(tiny_vl_path, [_row(901, clip), _row(902, clip)], _config(tmp_path), func=broken_reward)
+    with pytest.raises(RollplexDataError) as info:
+        trainer.train()
+    assert "broken_reward" in str(info.value) and "NaN" in str(info.value)
+
+
+def test_none_reward_keeps_trl_semantics(tiny_vl_path, tmp_path):
+    clip = write_mp4(tmp_path / "a.mp4", 8, 56, 56)
+
+    def partial_reward(completions, **kwargs):
+        return [None if i % 2 else 1.0 for i in range(len(completions))]
+
+    trainer = _trainer(tiny_vl_path, [_row(1, clip), _row(2, clip)], _config(tmp_path), func=partial_reward)
+    trainer.train()
+
+
+@pytest.mark.parametrize("field,value", [("rollplex_video_fps", 0.0), ("rollplex_video_min_frames", 0),
+                                         ("rollplex_max_prompt_length", -5), ("rollplex_video_max_pixels", 1)])
+def test_bad_config_values_are_rejected(tmp_path, field, value):
+    with pytest.raises(ValueError, match=field):
+        _config(tmp_path, **{field: value})
