@@ -3,9 +3,10 @@
 import pytest
 from datasets import Dataset
 
-from helpers import write_mp4
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 from rollplex_trl.data.errors import RollplexDataError
+
+from helpers import write_mp4
 
 
 def reward(completions, **kwargs):

@@ -6,9 +6,10 @@ import torch
 from datasets import Dataset
 from PIL import Image
 
-from helpers import reference_logps, write_mp4
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 from rollplex_trl.data.video import VideoSamplingConfig, load_video
+
+from helpers import reference_logps, write_mp4
 
 
 def varied_reward(completions, **kwargs):

@@ -5,7 +5,7 @@ The wrapper sits between the user's dataset (TRL format: a conversational `promp
 1. loads its videos (file paths are decoded with PyAV and sampled the way qwen-vl-utils does; lists of frames are
    taken as already sampled) and its images;
 2. runs the chat template and the processor once (`prepare_prompt`), checks the prompt-token budget;
-3. returns the row with a `rollplex_prompt` entry and without the media columns, so TRL's image-only code paths
+3. returns the row with a `rollplex_prompt` entry and without the image columns, so TRL's image-only code paths
    stay out of the way and the reward functions still see every other column (the `video` path included).
 TRL's sampler yields each prompt G times in a row and repeats generation batches, so prepared rows are cached.
 
@@ -26,7 +26,7 @@ import torch
 
 from rollplex_trl.data.errors import RollplexDataError
 from rollplex_trl.data.video import SampledVideo, VideoSamplingConfig, frames_to_video, load_video
-from rollplex_trl.multimodal.prompt import PreparedPrompt, prepare_prompt
+from rollplex_trl.multimodal.prompt import prepare_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +122,8 @@ class PreparedPromptDataset(torch.utils.data.Dataset):
     def _prepare(self, index: int) -> dict:
         row = dict(self.base[index])
         sample_id = _sample_id(row, index)
-        videos = [self._load_video(v, sample_id) for v in _as_list(row, VIDEO_COLUMNS, is_video=True)]
-        images = [self._load_image(im, sample_id) for im in _as_list(row, IMAGE_COLUMNS, is_video=False)]
+        videos = [self._load_video(v, sample_id) for v in _as_list(row, VIDEO_COLUMNS)]
+        images = [self._load_image(im, sample_id) for im in _as_list(row, IMAGE_COLUMNS)]
         if "prompt" not in row:
             raise RollplexDataError(f"sample {sample_id}: the row has no `prompt` column")
         prepared = prepare_prompt(
@@ -139,10 +139,10 @@ class PreparedPromptDataset(torch.utils.data.Dataset):
                 "budget, lower rollplex_video_max_frames / rollplex_video_max_pixels, or set "
                 "rollplex_skip_invalid_samples=True to skip such samples."
             )
-        for col in VIDEO_COLUMNS + IMAGE_COLUMNS:
-            value = row.pop(col, None)
-            if col in VIDEO_COLUMNS and isinstance(value, (str, os.PathLike)):
-                row["video_path"] = str(value)  # reward functions may want to know which file it was
+        # TRL treats `image`/`images` columns as its own image inputs: remove them (the pixels are in the prepared
+        # prompt). `video`/`videos` stay, so reward functions still see which file a completion answered.
+        for col in IMAGE_COLUMNS:
+            row.pop(col, None)
         row[PREPARED_KEY] = prepared
         return row
 
@@ -164,7 +164,7 @@ class PreparedPromptDataset(torch.utils.data.Dataset):
         return value
 
 
-def _as_list(row: dict, columns: tuple[str, str], is_video: bool) -> list:
+def _as_list(row: dict, columns: tuple[str, str]) -> list:
     """Media of a row: the single column (`video`/`image`) or the list column (`videos`/`images`)."""
     single, many = columns
     items: list = []

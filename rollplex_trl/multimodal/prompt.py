@@ -66,8 +66,9 @@ def attach_media(messages: list[dict[str, Any]], num_images: int, num_videos: in
     Images follow TRL's convention (`prepare_multimodal_messages`: placeholders are inserted before the first user
     text when the prompt has none). Videos follow the same rule with `{"type": "video"}` parts.
     """
+    messages = [_drop_null_fields(m) for m in copy.deepcopy(messages)]
     try:
-        messages = prepare_multimodal_messages(copy.deepcopy(messages), images=[None] * num_images)
+        messages = prepare_multimodal_messages(messages, images=[None] * num_images)
     except ValueError as err:
         raise RollplexDataError(f"sample {sample_id}: cannot attach {num_images} images to the prompt: {err}") from err
     image_parts = [p for m in messages for p in (m.get("content") or []) if p.get("type") == "image"]
@@ -92,6 +93,19 @@ def attach_media(messages: list[dict[str, Any]], num_images: int, num_videos: in
     for part in video_parts:
         part.pop("video", None)
     return messages
+
+
+def _drop_null_fields(message: dict[str, Any]) -> dict[str, Any]:
+    """Remove None-valued keys from content parts.
+
+    Arrow-backed datasets give every content part the union of all parts' keys (a video part gains `"image": None`,
+    `"text": None`). Qwen's chat template tests `'image' in content`, so such a video part would render as an image.
+    """
+    content = message.get("content")
+    if isinstance(content, list):
+        message["content"] = [{k: v for k, v in part.items() if v is not None} if isinstance(part, dict) else part
+                              for part in content]
+    return message
 
 
 def prepare_prompt(

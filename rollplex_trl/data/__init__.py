@@ -1,0 +1,77 @@
+"""Data for video GRPO: Video-R1-format loading, qwen-vl-utils-style frame sampling, a synthetic task, rewards."""
+
+from rollplex_trl.data.errors import RollplexDataError
+from rollplex_trl.data.rewards import (
+    accuracy_reward,
+    completion_text,
+    extract_answer,
+    format_reward,
+    mean_rouge_f1,
+    word_error_rate,
+)
+from rollplex_trl.data.synthetic import (
+    TASKS,
+    SyntheticSample,
+    SyntheticVideoConfig,
+    make_synthetic_samples,
+    render_frames,
+    write_mp4,
+    write_synthetic_video_dataset,
+)
+from rollplex_trl.data.video import (
+    SampledVideo,
+    VideoSamplingConfig,
+    frame_pixel_budget,
+    frames_to_video,
+    load_video,
+    sample_frame_indices,
+    smart_nframes,
+    smart_resize,
+)
+from rollplex_trl.data.video_r1 import (
+    QUESTION_TEMPLATE,
+    TYPE_TEMPLATE,
+    VALID_DATA_TYPES,
+    VALID_PROBLEM_TYPES,
+    LoadReport,
+    build_prompt,
+    load_image,
+    load_video_r1,
+    load_video_r1_with_report,
+    resolve_media_path,
+)
+
+__all__ = [
+    "QUESTION_TEMPLATE",
+    "TASKS",
+    "TYPE_TEMPLATE",
+    "VALID_DATA_TYPES",
+    "VALID_PROBLEM_TYPES",
+    "LoadReport",
+    "RollplexDataError",
+    "SampledVideo",
+    "SyntheticSample",
+    "SyntheticVideoConfig",
+    "VideoSamplingConfig",
+    "accuracy_reward",
+    "build_prompt",
+    "completion_text",
+    "extract_answer",
+    "format_reward",
+    "frame_pixel_budget",
+    "frames_to_video",
+    "load_image",
+    "load_video",
+    "load_video_r1",
+    "load_video_r1_with_report",
+    "make_synthetic_samples",
+    "mean_rouge_f1",
+    "render_frames",
+    "resolve_media_path",
+    "sample_frame_indices",
+    "smart_nframes",
+    "smart_resize",
+    "word_error_rate",
+    "write_mp4",
+    "write_synthetic_video_dataset",
+]
