@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 .venv/bin/python -m ruff check .
-exec .venv/bin/python -m pytest -q -m "not slow" "$@"
+exec .venv/bin/python -m pytest -q "$@"
