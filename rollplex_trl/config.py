@@ -6,7 +6,7 @@ Every field has a `help` text and a default that is safe: exact, and never slowe
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from trl import GRPOConfig
 
@@ -14,6 +14,15 @@ from trl import GRPOConfig
 @dataclass
 class RollplexGRPOConfig(GRPOConfig):
     r"""Configuration for [`RollplexGRPOTrainer`]: everything of [`trl.GRPOConfig`] plus the fields below.
+
+    Parameters that control the shared prefix:
+        rollplex_share_prefix (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): compute each prompt's prefix (vision
+            tower + prompt tokens) once per group of G completions in the reference, old and actor log-prob passes,
+            and run only the completions against its keys/values. Exact (same log-probs, losses and gradients up to
+            float rounding). `"auto"` turns it on where the configuration supports it and logs the reason once where
+            it does not; `"on"` raises instead; `"off"` runs TRL's full forward for every completion.
+        rollplex_prefix_chunk_prompts (`int`, defaults to `8`): unique prompts per prefix forward in the no-grad
+            (reference/old) passes; bounds their peak memory like TRL's per-device batch does.
 
     Parameters that control video data (used when a dataset row has a `video` column):
         rollplex_video_fps (`float`, defaults to `2.0`): frames sampled per second of video (qwen-vl-utils' FPS).
@@ -32,6 +41,19 @@ class RollplexGRPOConfig(GRPOConfig):
             kept in memory, so that the G copies of a prompt and the repeated generation batches decode once.
     """
 
+    rollplex_share_prefix: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata={
+            "help": "Compute each prompt's prefix (vision tower + prompt) once per group of G completions in the "
+            "reference, old and actor log-prob passes. 'auto': on where supported, otherwise off with the reason "
+            "logged once; 'on': error where unsupported; 'off': TRL's full forward for every completion.",
+            "choices": ["auto", "on", "off"],
+        },
+    )
+    rollplex_prefix_chunk_prompts: int = field(
+        default=8,
+        metadata={"help": "Unique prompts per prefix forward in the no-grad (reference/old) log-prob passes."},
+    )
     rollplex_video_fps: float = field(
         default=2.0, metadata={"help": "Frames sampled per second of video, as qwen-vl-utils does (FPS)."}
     )
@@ -87,6 +109,10 @@ def rollplex_options(args: Any) -> dict[str, Any]:
 
 
 def _validate(cfg: RollplexGRPOConfig) -> None:
+    if cfg.rollplex_share_prefix not in ("auto", "on", "off"):
+        raise ValueError(f"rollplex_share_prefix must be 'auto', 'on' or 'off', got {cfg.rollplex_share_prefix!r}")
+    if cfg.rollplex_prefix_chunk_prompts < 1:
+        raise ValueError(f"rollplex_prefix_chunk_prompts must be >= 1, got {cfg.rollplex_prefix_chunk_prompts}")
     if cfg.rollplex_video_fps <= 0:
         raise ValueError(f"rollplex_video_fps must be > 0, got {cfg.rollplex_video_fps}")
     if not 1 <= cfg.rollplex_video_min_frames <= cfg.rollplex_video_max_frames:

@@ -47,15 +47,19 @@ class MediaOptions:
     chat_template_kwargs: dict | None = None
 
 
-def has_video_column(dataset: Any) -> bool:
-    """True when the dataset declares a `video`/`videos` column (datasets.Dataset) or its first row has one."""
+def has_column(dataset: Any, columns: tuple[str, ...]) -> bool:
+    """True when the dataset declares one of `columns` (datasets.Dataset) or its first row has one."""
     names = getattr(dataset, "column_names", None)
     if names is None:
         try:
             names = list(dataset[0].keys())
         except Exception:  # an empty or non-indexable dataset is reported elsewhere
             return False
-    return any(c in names for c in VIDEO_COLUMNS)
+    return any(c in names for c in columns)
+
+
+def has_video_column(dataset: Any) -> bool:
+    return has_column(dataset, VIDEO_COLUMNS)
 
 
 def _sample_id(row: dict, index: int) -> str:

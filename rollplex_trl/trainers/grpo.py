@@ -31,9 +31,11 @@ from rollplex_trl.config import rollplex_options
 from rollplex_trl.data.errors import RollplexDataError
 from rollplex_trl.data.video import VideoSamplingConfig
 from rollplex_trl.multimodal.dataset import (
+    IMAGE_COLUMNS,
     PREPARED_KEY,
     MediaOptions,
     PreparedPromptDataset,
+    has_column,
     has_video_column,
 )
 from rollplex_trl.multimodal.prompt import (
@@ -43,8 +45,13 @@ from rollplex_trl.multimodal.prompt import (
     token_type_ids,
     vision_inputs,
 )
+from rollplex_trl.prefix import backward_prefix, detach_prefix, suffix_logps
+from rollplex_trl.prefix.batch import ActorPrefix, group_by_prompt, rows_to_prompts, run_prefix, shared_prefix_logps
 
 logger = logging.getLogger(__name__)
+
+# Decoders whose prefix/suffix split is implemented and tested (full attention, RoPE or M-RoPE).
+_PREFIX_MODEL_TYPES = ("qwen2", "qwen2_5_vl", "llama")
 
 # Keyword arguments of TRL's `_get_per_token_logps_and_entropies` that carry vision inputs.
 _TRL_VISION_KWARGS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
@@ -67,6 +74,12 @@ class RollplexGRPOTrainer(GRPOTrainer):
         self._rows_in_flight: list[PreparedPrompt] | None = None
         # Prepared prompts of the generation batch being tokenized, consumed by `_tokenize_prompts`.
         self._rows_to_tokenize: list[PreparedPrompt] | None = None
+        # Shared prefix: which passes may use it (decided once, with reasons), and the policy's prefix of the
+        # current gradient-accumulation window (see `_actor_prefix_for`).
+        self._share_scoring, self._share_actor = self._decide_prefix_sharing()
+        self._actor_prefix: list[ActorPrefix] = []
+        self._window_steps_left = 0
+        self._actor_rows_in_flight: tuple[ActorPrefix, torch.Tensor] | None = None
         if self._wrap_datasets():
             self._suppress_video_token()
         self.reward_funcs = [_reject_nan_rewards(f, name) for f, name in zip(self.reward_funcs,
@@ -92,8 +105,19 @@ class RollplexGRPOTrainer(GRPOTrainer):
         )
 
     def _wrap(self, dataset: Any, name: str) -> Any:
-        if dataset is None or isinstance(dataset, PreparedPromptDataset) or not has_video_column(dataset):
+        if dataset is None or isinstance(dataset, PreparedPromptDataset):
             return dataset
+        if not has_video_column(dataset):
+            # Image datasets take TRL's own path, unless the shared prefix is on: it needs each row's prompt
+            # identity and per-prompt pixels, which the prepared path provides (vLLM still needs TRL's path).
+            shareable_images = (self._share_scoring and self._is_vlm and not self.use_vllm and not self.tools
+                                and self.environment_factories is None and self.rollout_func is None
+                                and hasattr(dataset, "__getitem__")
+                                and not isinstance(dataset, torch.utils.data.IterableDataset)
+                                and has_column(dataset, IMAGE_COLUMNS))
+            if not shareable_images:
+                return dataset
+            return PreparedPromptDataset(dataset, self.processing_class, self._media_options())
         if not self._is_vlm:
             raise RollplexDataError(
                 f"the {name} dataset has a video column but the processing class is a tokenizer, not a processor. "
@@ -113,7 +137,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         return PreparedPromptDataset(dataset, self.processing_class, self._media_options())
 
     def _wrap_datasets(self) -> bool:
-        """Wrap the video datasets; returns whether any dataset has video."""
+        """Wrap the video (and, with the shared prefix, image) datasets; returns whether any has video."""
         self.train_dataset = self._wrap(self.train_dataset, "train")
         if isinstance(self.eval_dataset, dict):
             self.eval_dataset = {k: self._wrap(v, f"eval[{k}]") for k, v in self.eval_dataset.items()}
@@ -121,7 +145,40 @@ class RollplexGRPOTrainer(GRPOTrainer):
         else:
             self.eval_dataset = self._wrap(self.eval_dataset, "eval")
             evals = [self.eval_dataset]
-        return any(isinstance(d, PreparedPromptDataset) for d in [self.train_dataset, *evals])
+        return any(isinstance(d, PreparedPromptDataset) and has_video_column(d.base)
+                   for d in [self.train_dataset, *evals])
+
+    def _decide_prefix_sharing(self) -> tuple[bool, bool]:
+        """Whether the no-grad scoring passes (reference, old) and the actor pass may use the shared prefix.
+
+        Exactness needs: a decoder we know (full attention, Qwen2/Qwen2.5-VL/Llama family), no MoE aux loss, and
+        completions without tool outputs. The actor pass also needs to run outside any DDP/FSDP/DeepSpeed wrapper's
+        forward, which is only safe in a single process without ZeRO-3/FSDP (the wrapper's hooks would not fire).
+        """
+        mode = self.rollplex["rollplex_share_prefix"]
+        if mode == "off":
+            return False, False
+        config = self.accelerator.unwrap_model(self.model).config
+        blockers = []
+        if getattr(config, "model_type", None) not in _PREFIX_MODEL_TYPES:
+            blockers.append(f"model type {getattr(config, 'model_type', None)!r} is not one of {_PREFIX_MODEL_TYPES}")
+        if self.aux_loss_enabled:
+            blockers.append("the MoE router aux loss is not returned by the suffix pass")
+        if self.tools or self.environment_factories is not None:
+            blockers.append("tool/environment turns put non-model tokens (and images) inside completions")
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            blockers.append("DeepSpeed/FSDP shard parameters; the prefix pass would run outside their gather hooks")
+        actor_blockers = list(blockers)
+        if self.accelerator.num_processes > 1:
+            actor_blockers.append("multi-process training: the actor prefix runs outside DDP's forward (its "
+                                  "gradient hooks would not fire); scoring passes still share")
+        for label, reasons in (("reference/old log-probs", blockers), ("actor pass", actor_blockers)):
+            if reasons:
+                message = f"rollplex_share_prefix: off for the {label}: {'; '.join(reasons)}"
+                if mode == "on":
+                    raise ValueError(message + " (set rollplex_share_prefix='auto' or 'off')")
+                logger.warning(message)
+        return not blockers, not actor_blockers
 
     def _suppress_video_token(self) -> None:
         # TRL suppresses the image placeholder in sampling ("a sampled image token would mismatch the image
@@ -181,25 +238,127 @@ class RollplexGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        with self._rows_in_flight_as(inputs.get(PREPARED_KEY)):
-            return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
+        rows = inputs.get(PREPARED_KEY)
+        actor = None
+        # Inside a training step's window the prefix is shared across micro-batches (see `_actor_prefix_for`);
+        # a direct call outside one still shares within the micro-batch (`_get_per_token_logps_and_entropies`).
+        if (self._share_actor and self._window_steps_left > 0 and self.model.training and torch.is_grad_enabled()
+                and self._shareable(rows, inputs)):
+            actor = self._actor_prefix_for(model, inputs, rows)
+        with self._rows_in_flight_as(rows):
+            self._actor_rows_in_flight = actor
+            try:
+                return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                            num_items_in_batch=num_items_in_batch)
+            finally:
+                self._actor_rows_in_flight = None
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        if self._share_actor and self._window_steps_left == 0:
+            self._window_steps_left = self.current_gradient_accumulation_steps
+        output = super().training_step(model, inputs, num_items_in_batch)
+        if self._share_actor:
+            self._window_steps_left -= 1
+            if self._window_steps_left == 0:
+                self._finish_actor_prefix()
+        return output
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **vision_kwargs):
         rows = self._rows_in_flight
+        if rows is not None:
+            unexpected = [k for k in _TRL_VISION_KWARGS if vision_kwargs.get(k) is not None]
+            if unexpected:
+                raise RuntimeError(f"internal error: TRL passed vision inputs {unexpected} for prepared rows")
+            check_rows_match_ids(rows, input_ids[:, : input_ids.size(1) - logits_to_keep])
+        if self._actor_rows_in_flight is not None:  # the policy's loss pass: suffix against this window's prefix
+            actor, row_to_prompt = self._actor_rows_in_flight
+            P = input_ids.size(1) - logits_to_keep
+            with self.accelerator.autocast():
+                logps, entropies = suffix_logps(
+                    self.accelerator.unwrap_model(model), actor.leaf_state, row_to_prompt, input_ids[:, P:],
+                    attention_mask[:, P:], temperature=self.temperature, compute_entropy=compute_entropy)
+            self._log_prefix_use(input_ids.size(0), len(actor.key_to_prompt))
+            return logps, entropies, None
+        share = self._share_actor if torch.is_grad_enabled() else self._share_scoring
+        if share and self._shareable(rows, vision_kwargs):  # each prompt once per call, in one graph
+            with self.accelerator.autocast():
+                logps, entropies, num_prompts = shared_prefix_logps(
+                    self.accelerator.unwrap_model(model), input_ids, attention_mask, logits_to_keep, rows,
+                    temperature=self.temperature, compute_entropy=compute_entropy,
+                    prompts_per_chunk=self.rollplex["rollplex_prefix_chunk_prompts"])
+            self._log_prefix_use(input_ids.size(0), num_prompts)
+            return logps, entropies, None
         if rows is None:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **vision_kwargs,
             )
-        unexpected = [k for k in _TRL_VISION_KWARGS if vision_kwargs.get(k) is not None]
-        if unexpected:
-            raise RuntimeError(f"internal error: TRL passed vision inputs {unexpected} for prepared rows")
-        prompt_length = input_ids.size(1) - logits_to_keep
-        check_rows_match_ids(rows, input_ids[:, :prompt_length])
         return self._prepared_rows_logps(model, rows, input_ids, attention_mask, logits_to_keep, batch_size,
                                          compute_entropy, compute_aux_loss)
+
+    def _log_prefix_use(self, rows: int, prompts: int) -> None:
+        """`rollplex/prefix_rows_per_prompt`: completions served per prefix forward (G when a pass sees whole groups;
+        for the actor, the whole window's rows count, see `_actor_prefix_for`)."""
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["rollplex/prefix_rows_per_prompt"].append(rows / max(1, prompts))
+
+    @staticmethod
+    def _shareable(rows: list[PreparedPrompt] | None, vision_kwargs: dict) -> bool:
+        """A batch can share prefixes when we know every row's prompt: prepared rows, or text-only rows (TRL's own
+        image inputs come as one flat tensor without per-prompt identity)."""
+        return rows is not None or all(vision_kwargs.get(k) is None for k in _TRL_VISION_KWARGS)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The actor's prefix: once per prompt per gradient-accumulation window, one backward at the window's end
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _actor_prefix_for(self, model, inputs: dict, rows: list[PreparedPrompt] | None):
+        """The window's prefix for this micro-batch's rows, building it for every micro-batch of the window that
+        the current generation buffer serves (TRL scatters a prompt's G completions over them).
+
+        Why this shape: the policy's weights change only at the optimizer step, so within a window one prefix
+        forward per prompt serves all its completions, whichever micro-batch TRL put them in. Suffix backwards
+        accumulate into leaf copies of the prefix K/V (`detach_prefix`); `_finish_actor_prefix` sends the sum
+        through the prefix graph once, before gradient clipping and the optimizer step. TRL's loss normalisation
+        per micro-batch is untouched, so every loss_type keeps its semantics.
+        """
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        for actor in self._actor_prefix:
+            try:
+                return actor, rows_to_prompts(actor, prompt_ids, prompt_mask, rows)
+            except KeyError:
+                continue
+        actor = self._build_actor_prefix(model)
+        self._actor_prefix.append(actor)
+        return actor, rows_to_prompts(actor, prompt_ids, prompt_mask, rows)
+
+    def _build_actor_prefix(self, model) -> ActorPrefix:
+        spg = self.args.steps_per_generation
+        generate_every = spg * self.num_iterations
+        # micro-batches of this window still to come that the current buffer serves (a later generation may start
+        # inside a long window; its prompts get their own prefix when they arrive)
+        count = min(self._window_steps_left, generate_every - self._step % generate_every)
+        batches = [self._buffered_inputs[(self._step + i) % spg] for i in range(count)]
+        prompt_ids = torch.cat([_pad_left(b["prompt_ids"], max(x["prompt_ids"].size(1) for x in batches),
+                                          self._tokenizer.pad_token_id) for b in batches])
+        prompt_mask = torch.cat([_pad_left(b["prompt_mask"], prompt_ids.size(1), 0) for b in batches])
+        rows = None
+        if batches[0].get(PREPARED_KEY) is not None:
+            rows = [r for b in batches for r in b[PREPARED_KEY]]
+        groups = group_by_prompt(prompt_ids, prompt_mask, rows)
+        first = groups.first_row
+        with self.accelerator.autocast():
+            state = run_prefix(self.accelerator.unwrap_model(model), prompt_ids[first], prompt_mask[first],
+                               [rows[r] for r in first] if rows is not None else None, keep_graph=True)
+        leaf_state, outputs = detach_prefix(state)
+        return ActorPrefix(window=self.state.global_step, key_to_prompt={k: i for i, k in enumerate(groups.keys)},
+                           leaf_state=leaf_state, outputs=outputs)
+
+    def _finish_actor_prefix(self) -> None:
+        for actor in self._actor_prefix:
+            backward_prefix(actor.outputs, actor.leaf_state)
+        self._actor_prefix = []
 
     def _prepared_rows_logps(self, model, rows, input_ids, attention_mask, logits_to_keep, batch_size,
                              compute_entropy, compute_aux_loss):
@@ -255,3 +414,10 @@ def _reject_nan_rewards(func: Callable, name: str) -> Callable:
         return rewards
 
     return checked
+
+
+def _pad_left(x: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    """Left-pad (rows, w) to (rows, width): micro-batches of one buffer can have different prompt widths."""
+    if x.size(1) == width:
+        return x
+    return torch.cat([x.new_full((x.size(0), width - x.size(1)), value), x], dim=1)

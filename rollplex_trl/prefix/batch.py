@@ -1,0 +1,124 @@
+"""From TRL's batches (rows = completions, prompt repeated G times) to prefix/suffix passes over unique prompts.
+
+TRL's log-prob passes see `input_ids = cat(prompt_ids, completion_ids)` for R rows. Here the rows are grouped by
+prompt: a row's prompt is identified by its `PreparedPrompt` (video/image prompts: same tokens can carry different
+pixels) or, for text-only prompts, by its tokens. Each unique prompt runs once through `prefix_forward`; every row
+runs only [last prompt token, completion] through `suffix_logps`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rollplex_trl.multimodal.prompt import PreparedPrompt, token_type_ids, vision_inputs
+from rollplex_trl.prefix.forward import prefix_forward, suffix_logps
+from rollplex_trl.prefix.state import PrefixState
+
+
+@dataclass
+class PromptGroups:
+    """Which row continues which unique prompt."""
+
+    keys: list[object]  # one hashable key per unique prompt, in first-appearance order
+    first_row: list[int]  # a row holding each unique prompt
+    row_to_prompt: torch.Tensor  # (R,) index into `keys`
+
+
+def prompt_key(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, row: PreparedPrompt | None) -> object:
+    """What makes two rows share a prefix: the same prepared prompt object, or the same text tokens."""
+    if row is not None:
+        return ("prepared", row.prompt_key)
+    return ("tokens", tuple(prompt_ids[prompt_mask.bool()].tolist()))
+
+
+def group_by_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                    rows: Sequence[PreparedPrompt] | None) -> PromptGroups:
+    index: dict[object, int] = {}
+    first_row: list[int] = []
+    row_to_prompt = []
+    for r in range(prompt_ids.size(0)):
+        key = prompt_key(prompt_ids[r], prompt_mask[r], rows[r] if rows is not None else None)
+        if key not in index:
+            index[key] = len(first_row)
+            first_row.append(r)
+        row_to_prompt.append(index[key])
+    return PromptGroups(keys=list(index), first_row=first_row,
+                        row_to_prompt=torch.tensor(row_to_prompt, dtype=torch.long, device=prompt_ids.device))
+
+
+def run_prefix(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+               rows: Sequence[PreparedPrompt] | None, *, keep_graph: bool) -> PrefixState:
+    """`prefix_forward` on U unique prompts, given as left-padded rows (U, P) and, for VL prompts, their
+    `PreparedPrompt`s. Columns that are padding in every row are dropped first (they cost compute, change nothing)."""
+    keep = prompt_mask.bool().any(0)
+    start = int(keep.nonzero()[0]) if keep.any() else 0
+    prompt_ids, prompt_mask = prompt_ids[:, start:], prompt_mask[:, start:]
+    vision: dict[str, torch.Tensor] = {}
+    if rows is not None:
+        vision = vision_inputs(list(rows), prompt_ids.device)
+        if vision:
+            P = prompt_ids.size(1)
+            vision["mm_token_type_ids"] = token_type_ids(list(rows), P, P, prompt_ids.device)
+    return prefix_forward(model, prompt_ids, prompt_mask, keep_graph=keep_graph, **vision)
+
+
+def shared_prefix_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        logits_to_keep: int, rows: Sequence[PreparedPrompt] | None, *, temperature: float,
+                        compute_entropy: bool, prompts_per_chunk: int
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """Per-token log-probs (R, C) of TRL's batch (and entropies, and the number of unique prompts), each unique
+    prompt's prefix computed once.
+
+    Runs under whatever grad mode the caller set, with each chunk's prefix and suffixes in one graph (no-grad passes
+    and evaluation). `prompts_per_chunk` bounds how many unique prompts (with all their rows) run at once.
+    """
+    P = input_ids.size(1) - logits_to_keep
+    prompt_ids, prompt_mask = input_ids[:, :P], attention_mask[:, :P]
+    completion_ids, completion_mask = input_ids[:, P:], attention_mask[:, P:]
+    groups = group_by_prompt(prompt_ids, prompt_mask, rows)
+    chunk_rows, chunk_logps, chunk_entropies = [], [], []
+    U = len(groups.keys)
+    for start in range(0, U, max(1, prompts_per_chunk)):
+        stop = min(U, start + max(1, prompts_per_chunk))
+        first = [groups.first_row[u] for u in range(start, stop)]
+        state = run_prefix(model, prompt_ids[first], prompt_mask[first],
+                           [rows[r] for r in first] if rows is not None else None, keep_graph=torch.is_grad_enabled())
+        row_idx = torch.nonzero((groups.row_to_prompt >= start) & (groups.row_to_prompt < stop))[:, 0]
+        lp, ent = suffix_logps(model, state, groups.row_to_prompt[row_idx] - start, completion_ids[row_idx],
+                               completion_mask[row_idx], temperature=temperature, compute_entropy=compute_entropy)
+        chunk_rows.append(row_idx)
+        chunk_logps.append(lp)
+        chunk_entropies.append(ent)
+    # Chunks hold the rows grouped by prompt; put them back in the batch's row order (differentiably).
+    order = torch.cat(chunk_rows)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    logps = torch.cat(chunk_logps)[inverse]
+    entropies = torch.cat(chunk_entropies)[inverse] if compute_entropy else None
+    return logps, entropies, U
+
+
+@dataclass
+class ActorPrefix:
+    """The policy's prefix for one gradient-accumulation window: built with its graph at the window's first
+    micro-batch, served to every micro-batch's suffix through leaf copies, back-propagated once at the end."""
+
+    window: int  # index of the gradient-accumulation window it belongs to
+    key_to_prompt: dict[object, int]
+    leaf_state: PrefixState  # K/V detached to leaves: suffix backwards accumulate into their .grad
+    outputs: list[torch.Tensor]  # the graph-carrying K/V, for the single backward through the prefix
+
+
+def rows_to_prompts(actor: ActorPrefix, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                    rows: Sequence[PreparedPrompt] | None) -> torch.Tensor:
+    """Map a micro-batch's rows to the actor prefix's prompts; KeyError if some row's prompt is not there."""
+    index = []
+    for r in range(prompt_ids.size(0)):
+        key = prompt_key(prompt_ids[r], prompt_mask[r], rows[r] if rows is not None else None)
+        if key not in actor.key_to_prompt:
+            raise KeyError(f"row {r} of the micro-batch has no prefix in window {actor.window}")
+        index.append(actor.key_to_prompt[key])
+    return torch.tensor(index, dtype=torch.long, device=prompt_ids.device)

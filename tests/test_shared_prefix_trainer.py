@@ -1,0 +1,113 @@
+"""rollplex_share_prefix on vs off: same losses, rewards, KL and grad norms step for step (same seed)."""
+
+import logging
+
+import pytest
+from datasets import Dataset
+
+from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
+
+from helpers import write_mp4
+
+KEYS = ("loss", "reward", "kl", "grad_norm", "entropy")
+
+
+def varied_reward(completions, **kwargs):
+    return [float(len(c[0]["content"]) % 5) for c in completions]
+
+
+def _config(tmp_path, share, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path / share), max_steps=5, per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=6, learning_rate=5e-3, beta=0.1, logging_steps=1, report_to=[], seed=11,
+        use_cpu=True, bf16=False, save_strategy="no", rollplex_share_prefix=share,
+        rollplex_video_min_pixels=4 * 28 * 28, rollplex_video_max_pixels=56 * 84,
+    )
+    kwargs.update(overrides)
+    return RollplexGRPOConfig(**kwargs)
+
+
+def _run(model, dataset, tmp_path, share, peft_config=None, **overrides):
+    trainer = RollplexGRPOTrainer(model=str(model), reward_funcs=varied_reward,
+                                  args=_config(tmp_path, share, **overrides), train_dataset=dataset,
+                                  peft_config=peft_config)
+    trainer.train()
+    return [r for r in trainer.state.log_history if "loss" in r]
+
+
+def _assert_equivalent(on, off, steps=5):
+    assert len(on) == len(off) == steps
+    for step, (a, b) in enumerate(zip(on, off, strict=True)):
+        assert a["rollplex/prefix_rows_per_prompt"] > 1.0, "the shared prefix was not used"
+        assert "rollplex/prefix_rows_per_prompt" not in b, "the shared prefix ran although switched off"
+        for key in (k for k in KEYS if k in b):  # reward is only logged at generation steps
+            assert key in a, f"{key} missing at step {step}"
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), f"{key} differs at step {step}"
+    assert any(abs(r["loss"]) > 0 for r in off) and any(r["grad_norm"] > 0 for r in off)
+
+
+@pytest.fixture()
+def video_dataset(tmp_path):
+    rows = []
+    for i, (h, w, n) in enumerate([(56, 56, 8), (56, 84, 12), (84, 56, 8), (56, 56, 16)]):
+        clip = write_mp4(tmp_path / f"clip{i}.mp4", num_frames=n, height=h, width=w, fps=4, seed=i)
+        rows.append({"problem_id": i, "video": str(clip),
+                     "prompt": [{"role": "user", "content": [{"type": "video"},
+                                                             {"type": "text", "text": f"Question {i}?" * (i + 1)}]}]})
+    return Dataset.from_list(rows)
+
+
+def test_video_gradient_accumulation_and_checkpointing(tiny_vl_path, tmp_path, video_dataset):
+    # GA=2: TRL scatters each group over two micro-batches; the actor prefix must serve both and backprop once.
+    kwargs = dict(gradient_accumulation_steps=2, per_device_train_batch_size=2, gradient_checkpointing=True)
+    on = _run(tiny_vl_path, video_dataset, tmp_path, "auto", **kwargs)
+    off = _run(tiny_vl_path, video_dataset, tmp_path, "off", **kwargs)
+    _assert_equivalent(on, off)
+
+
+def test_video_num_iterations_uses_old_logps(tiny_vl_path, tmp_path, video_dataset):
+    # num_iterations=2 computes old log-probs and re-reads the weights after an update: the actor prefix must be
+    # rebuilt for every window, never reused across an optimizer step.
+    kwargs = dict(num_iterations=2, gradient_checkpointing=False, max_steps=4)
+    on = _run(tiny_vl_path, video_dataset, tmp_path, "auto", **kwargs)
+    off = _run(tiny_vl_path, video_dataset, tmp_path, "off", **kwargs)
+    _assert_equivalent(on, off, steps=4)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"])
+def test_text_every_loss_type(tiny_qwen2_path, tmp_path, loss_type):
+    prompts = [[{"role": "user", "content": f"count to {i} " * (1 + i % 3)}] for i in range(8)]
+    dataset = Dataset.from_dict({"prompt": prompts})
+    kwargs = dict(loss_type=loss_type, gradient_accumulation_steps=2, per_device_train_batch_size=4,
+                  num_generations=4, max_steps=3, steps_per_generation=2)
+    on = _run(tiny_qwen2_path, dataset, tmp_path, "auto", **kwargs)
+    off = _run(tiny_qwen2_path, dataset, tmp_path, "off", **kwargs)
+    _assert_equivalent(on, off, steps=3)
+
+
+def test_video_peft_reference_is_adapter_disabled(tiny_vl_path, tmp_path, video_dataset):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    kwargs = dict(gradient_checkpointing=True, max_steps=3, learning_rate=5e-2)
+    on = _run(tiny_vl_path, video_dataset, tmp_path, "auto", peft_config=lora, **kwargs)
+    off = _run(tiny_vl_path, video_dataset, tmp_path, "off", peft_config=lora, **kwargs)
+    _assert_equivalent(on, off, steps=3)
+    assert off[0]["kl"] > 0, "with a non-zero adapter the policy differs from the adapter-disabled reference"
+
+
+def test_share_prefix_on_refuses_unsupported_configs(tiny_qwen2_path, tmp_path, caplog, monkeypatch):
+    import rollplex_trl.trainers.grpo as grpo
+
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]] * 4})
+    monkeypatch.setattr(grpo, "_PREFIX_MODEL_TYPES", ("llama",))  # pretend Qwen2 were an unknown decoder
+    with pytest.raises(ValueError, match="rollplex_share_prefix.*model type 'qwen2'"):
+        RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=varied_reward, train_dataset=dataset,
+                            args=_config(tmp_path, "on"))
+    with caplog.at_level(logging.WARNING):
+        trainer = RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=varied_reward,
+                                      train_dataset=dataset, args=_config(tmp_path, "auto", max_steps=1))
+    assert not trainer._share_scoring and not trainer._share_actor
+    assert "rollplex_share_prefix: off" in caplog.text and "qwen2" in caplog.text
+    trainer.train()  # and training still works, on TRL's full forward
+    assert not any("rollplex/prefix_rows_per_prompt" in r for r in trainer.state.log_history)
