@@ -1,4 +1,8 @@
-"""rollplex_share_prefix on vs off: same losses, rewards, KL and grad norms step for step (same seed)."""
+"""rollplex_share_prefix on vs off: same losses, rewards, KL and grad norms step for step (same seed).
+
+The rollout is part of the comparison: with sharing on, the transformers rollout prefills each prompt once; the
+samples must still be the same, or rewards (and everything after) would differ.
+"""
 
 import logging
 
@@ -39,6 +43,8 @@ def _assert_equivalent(on, off, steps=5):
     assert len(on) == len(off) == steps
     for step, (a, b) in enumerate(zip(on, off, strict=True)):
         assert a["rollplex/prefix_rows_per_prompt"] > 1.0, "the shared prefix was not used"
+        if "reward" in b:  # a generation step: the rollout's prefill was shared too
+            assert a["rollplex/prefill_rows_per_prompt"] > 1.0, "the rollout prefilled every completion"
         assert "rollplex/prefix_rows_per_prompt" not in b, "the shared prefix ran although switched off"
         for key in (k for k in KEYS if k in b):  # reward is only logged at generation steps
             assert key in a, f"{key} missing at step {step}"

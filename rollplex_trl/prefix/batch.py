@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from rollplex_trl.multimodal.prompt import PreparedPrompt, token_type_ids, vision_inputs
-from rollplex_trl.prefix.forward import prefix_forward, suffix_logps
+from rollplex_trl.prefix.forward import prefix_forward, suffix_logps, unwrap_model
 from rollplex_trl.prefix.state import PrefixState
 
 
@@ -50,9 +50,12 @@ def group_by_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
 
 
 def run_prefix(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-               rows: Sequence[PreparedPrompt] | None, *, keep_graph: bool) -> PrefixState:
+               rows: Sequence[PreparedPrompt] | None, *, keep_graph: bool, generate_positions: bool = False
+               ) -> PrefixState:
     """`prefix_forward` on U unique prompts, given as left-padded rows (U, P) and, for VL prompts, their
-    `PreparedPrompt`s. Columns that are padding in every row are dropped first (they cost compute, change nothing)."""
+    `PreparedPrompt`s. Columns that are padding in every row are dropped first (they cost compute, change nothing).
+    `generate_positions`: 1-D RoPE positions as HF's `generate` numbers them (from each row's first real token)
+    instead of as its plain forward does (arange), so a cache built here continues `generate` exactly."""
     keep = prompt_mask.bool().any(0)
     start = int(keep.nonzero()[0]) if keep.any() else 0
     prompt_ids, prompt_mask = prompt_ids[:, start:], prompt_mask[:, start:]
@@ -62,7 +65,10 @@ def run_prefix(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
         if vision:
             P = prompt_ids.size(1)
             vision["mm_token_type_ids"] = token_type_ids(list(rows), P, P, prompt_ids.device)
-    return prefix_forward(model, prompt_ids, prompt_mask, keep_graph=keep_graph, **vision)
+    positions = None
+    if generate_positions and not hasattr(unwrap_model(model).base_model, "get_rope_index"):
+        positions = (prompt_mask.long().cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
+    return prefix_forward(model, prompt_ids, prompt_mask, keep_graph=keep_graph, position_ids=positions, **vision)
 
 
 def shared_prefix_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

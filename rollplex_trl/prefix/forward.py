@@ -209,13 +209,15 @@ def prefix_forward(
     second_per_grid_ts: torch.Tensor | None = None,
     mm_token_type_ids: torch.Tensor | None = None,
     keep_graph: bool = False,
+    position_ids: torch.Tensor | None = None,
 ) -> PrefixState:
     """Run the U unique prompts (left-padded, (U, P)) once and keep the per-layer K/V of prompt[:, :-1].
 
     The vision inputs are those of the U prompts, in prompt order (one copy each, not one per completion).
     `keep_graph=True` runs with autograd on and keeps the graph through the K/V (policy pass); `False` runs under
     no_grad (old/ref log-probs). Works on Qwen2.5-VL and on text-only Qwen2/Llama-family causal LMs, also wrapped in
-    PEFT; gradient checkpointing may be on (see `_cache_safe_checkpointing`).
+    PEFT; gradient checkpointing may be on (see `_cache_safe_checkpointing`). `position_ids` (U, P) overrides the
+    1-D positions for callers that must match another convention (HF's `generate` counts from the first real token).
     """
     causal_lm = unwrap_model(model)
     backbone = causal_lm.base_model
@@ -227,8 +229,8 @@ def prefix_forward(
     if mm_token_type_ids is not None and bool(mm_token_type_ids[:, -1].any()):
         raise ValueError("the last prompt token must be a text token (it is re-run with the completion)")
 
-    positions = _prompt_positions(backbone, prompt_ids, prompt_mask, mm_token_type_ids, image_grid_thw,
-                                  video_grid_thw, second_per_grid_ts)
+    positions = position_ids if position_ids is not None else _prompt_positions(
+        backbone, prompt_ids, prompt_mask, mm_token_type_ids, image_grid_thw, video_grid_thw, second_per_grid_ts)
     vision = dict(pixel_values=pixel_values, image_grid_thw=image_grid_thw, pixel_values_videos=pixel_values_videos,
                   video_grid_thw=video_grid_thw, second_per_grid_ts=second_per_grid_ts,
                   mm_token_type_ids=None if mm_token_type_ids is None else mm_token_type_ids[:, :-1])

@@ -47,6 +47,7 @@ from rollplex_trl.multimodal.prompt import (
 )
 from rollplex_trl.prefix import backward_prefix, detach_prefix, suffix_logps
 from rollplex_trl.prefix.batch import ActorPrefix, group_by_prompt, rows_to_prompts, run_prefix, shared_prefix_logps
+from rollplex_trl.prefix.generation import shared_prefill
 
 logger = logging.getLogger(__name__)
 
@@ -232,6 +233,23 @@ class RollplexGRPOTrainer(GRPOTrainer):
         if len(rows) != len(prompts):
             raise RuntimeError(f"internal error: {len(rows)} prepared prompts for {len(prompts)} prompts")
         return [list(r.prompt_ids) for r in rows], None, generation_fields(rows)
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        # The transformers rollout: prefill each prompt once for its G samples (see prefix/generation.py). vLLM and
+        # continuous batching have their own prefix caching; TRL's own image path has no per-prompt identity.
+        rows = self._rows_to_tokenize
+        if (not self._share_scoring or self.use_vllm or self.use_transformers_continuous_batching
+                or num_generations < 2 or has_tool_images or (rows is None and images is not None)):
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
+        mode = "train" if self.model.training else "eval"
+
+        def log(rows_count: int, prompts: int) -> None:
+            self._metrics[mode]["rollplex/prefill_rows_per_prompt"].append(rows_count / max(1, prompts))
+
+        with shared_prefill(self.accelerator.unwrap_model(self.model), rows, on_prefill=log):
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
 
     # ------------------------------------------------------------------------------------------------------------
     # Log-probs and loss
