@@ -1,0 +1,198 @@
+"""Benchmark: shared-prefix log-probs vs TRL's serial full forward, side by side in one run.
+
+For each (G, prompt share) it builds two RollplexGRPOTrainer instances on the `small` local Qwen2.5-VL and the
+synthetic video task, identical except for `rollplex_share_prefix` ("off" = TRL's serial path, "auto" = shared),
+and measures, on the same generation batch:
+- the reference pass (no grad, reference model),
+- the actor pass (forward + backward of the log-probs),
+- the whole training step (transformers rollout + scoring + loss + optimizer), from TRL's `step_time` metric.
+It reports medians of several repeats and the serial/shared ratios, and a memory figure: on CUDA the peak
+allocated bytes of each pass; on CPU (no allocator statistics) the bytes the actor pass saves for backward
+(autograd saved tensors, deduplicated by storage), which is what dominates activation memory.
+
+The prompt share P / (P + C) is set through the completion length C (generation is forced to exactly C tokens
+with min_new_tokens); P is fixed by the clip (frames x size) and the prompt text.
+
+Usage:  .venv/bin/python benchmarks/bench_shared_prefix.py [--quick] [--out benchmarks/results/shared_prefix.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+
+def _saved_bytes(fn) -> int:
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        try:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        except Exception:  # noqa: BLE001 - some saved objects are not plain tensors
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _dataset(tmp: Path, num_prompts: int, frames: int, size: int):
+    from rollplex_trl.data import SyntheticVideoConfig, load_video_r1, write_synthetic_video_dataset
+
+    annotations = write_synthetic_video_dataset(
+        tmp / "data", SyntheticVideoConfig(num_samples=num_prompts, seed=0, num_frames=frames, height=size, width=size,
+                                           fps=2))
+    return load_video_r1(annotations)
+
+
+def _trainer(model_path, dataset, tmp: Path, share: str, G: int, C: int, args):
+    from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
+    from rollplex_trl.data import accuracy_reward, format_reward
+
+    config = RollplexGRPOConfig(
+        output_dir=str(tmp / f"out-{share}"), max_steps=args.steps, per_device_train_batch_size=G * args.prompts,
+        num_generations=G, max_completion_length=C, generation_kwargs={"min_new_tokens": C}, beta=0.04,
+        learning_rate=1e-6, logging_steps=1, report_to=[], save_strategy="no", seed=0, use_cpu=not
+        torch.cuda.is_available(), bf16=False, gradient_checkpointing=True, rollplex_share_prefix=share,
+        rollplex_video_max_frames=args.frames, rollplex_video_min_pixels=28 * 28 * 4,
+        rollplex_video_max_pixels=args.size * args.size, rollplex_prefix_chunk_prompts=args.prompts,
+    )
+    return RollplexGRPOTrainer(model=str(model_path), reward_funcs=[accuracy_reward, format_reward], args=config,
+                               train_dataset=dataset)
+
+
+def _measure(trainer, args) -> dict:
+    """Whole-step time from training, then the reference and actor passes on one fixed generation batch."""
+    trainer.train()
+    steps = [r["step_time"] for r in trainer.state.log_history if "step_time" in r][1:]  # drop the warm-up step
+    trainer.model.train()
+    G = trainer.num_generations
+    batch = trainer._generate_and_score_completions([trainer.train_dataset[i // G] for i in range(G * args.prompts)])
+    rows = batch["rollplex_prompt"]
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    C = batch["completion_ids"].size(1)
+    cuda = torch.cuda.is_available()
+
+    def ref_pass():
+        with torch.no_grad(), trainer._rows_in_flight_as(rows):
+            trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, C,
+                                                       batch_size=trainer.args.per_device_train_batch_size)
+
+    def actor_pass():
+        with trainer._rows_in_flight_as(rows):
+            logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C,
+                                                                     compute_entropy=True)
+        (logps * batch["completion_mask"]).sum().backward()
+        trainer.model.zero_grad(set_to_none=True)
+
+    result = {
+        "P": int(batch["prompt_mask"].sum(1).float().mean()), "C": C,
+        "prompt_share": float(batch["prompt_mask"].sum()
+                              / (batch["prompt_mask"].sum() + batch["completion_mask"].sum())),
+        "step_s": statistics.median(steps) if steps else float("nan"),
+        "ref_s": _median_time(ref_pass, args.repeats),
+        "actor_s": _median_time(actor_pass, args.repeats),
+    }
+    if cuda:
+        for name, fn in (("ref", ref_pass), ("actor", actor_pass)):
+            torch.cuda.reset_peak_memory_stats()
+            fn()
+            result[f"{name}_peak_bytes"] = torch.cuda.max_memory_allocated()
+    result["actor_saved_bytes"] = _saved_bytes(actor_pass)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--generations", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--completion-lengths", type=int, nargs="+", default=None,
+                        help="C values (default: chosen for ~50/80/95%% prompt share)")
+    parser.add_argument("--frames", type=int, default=16)
+    parser.add_argument("--size", type=int, default=112)
+    parser.add_argument("--prompts", type=int, default=1, help="prompts per step")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="G=8 and ~90%% share only")
+    parser.add_argument("--out", default="benchmarks/results/shared_prefix.json")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+
+    from transformers.utils import logging as hf_logging
+
+    from rollplex_trl.testing.checkpoints import get_checkpoint
+
+    hf_logging.disable_progress_bar()
+    model_path = get_checkpoint("qwen2_5_vl", args.preset)
+    tmp = Path(tempfile.mkdtemp(prefix="rollplex-bench-"))
+    dataset = _dataset(tmp, num_prompts=max(8, args.prompts * args.steps), frames=args.frames, size=args.size)
+    probe = _trainer(model_path, dataset, tmp, "off", 2, 8, args)
+    P = probe.train_dataset[0]["rollplex_prompt"].num_prompt_tokens
+    del probe
+    if args.quick:
+        args.generations, lengths = [8], [max(2, round(P / 9))]
+    else:
+        lengths = args.completion_lengths or [max(2, round(P * (1 - s) / s)) for s in (0.95, 0.8, 0.5)]
+    rows = []
+    for G in args.generations:
+        for C in lengths:
+            measured = {}
+            for share in ("off", "auto"):
+                torch.manual_seed(0)
+                measured[share] = _measure(_trainer(model_path, dataset, tmp, share, G, C, args), args)
+            serial, shared = measured["off"], measured["auto"]
+            row = {"G": G, "C": C, "P": serial["P"], "prompt_share": serial["prompt_share"],
+                   "serial": serial, "shared": shared,
+                   "ratio_ref": serial["ref_s"] / shared["ref_s"],
+                   "ratio_actor": serial["actor_s"] / shared["actor_s"],
+                   "ratio_ref_plus_actor": (serial["ref_s"] + serial["actor_s"])
+                   / (shared["ref_s"] + shared["actor_s"]),
+                   "ratio_step": serial["step_s"] / shared["step_s"],
+                   "actor_saved_bytes_ratio": shared["actor_saved_bytes"] / serial["actor_saved_bytes"]}
+            rows.append(row)
+            print(f"G={G:>2} P={row['P']:>4} C={C:>4} share={row['prompt_share']:.0%}  "
+                  f"ref {serial['ref_s']:.3f}/{shared['ref_s']:.3f}s ({row['ratio_ref']:.2f}x)  "
+                  f"actor {serial['actor_s']:.3f}/{shared['actor_s']:.3f}s ({row['ratio_actor']:.2f}x)  "
+                  f"step {serial['step_s']:.2f}/{shared['step_s']:.2f}s ({row['ratio_step']:.2f}x)  "
+                  f"actor saved bytes x{row['actor_saved_bytes_ratio']:.2f}", flush=True)
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"preset": args.preset, "frames": args.frames, "size": args.size, "prompts_per_step": args.prompts,
+            "steps": args.steps, "repeats": args.repeats, "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print()
+    print("| G | P | C | prompt share | ref+actor serial (s) | ref+actor shared (s) | ratio | step serial (s) | "
+          "step shared (s) | ratio | actor saved bytes shared/serial |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        s, h = r["serial"], r["shared"]
+        print(f"| {r['G']} | {r['P']} | {r['C']} | {r['prompt_share']:.0%} | {s['ref_s'] + s['actor_s']:.3f} | "
+              f"{h['ref_s'] + h['actor_s']:.3f} | {r['ratio_ref_plus_actor']:.2f}x | {s['step_s']:.2f} | "
+              f"{h['step_s']:.2f} | {r['ratio_step']:.2f}x | {r['actor_saved_bytes_ratio']:.2f} |")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
