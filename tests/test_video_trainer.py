@@ -148,3 +148,15 @@ def test_video_training_runs_and_changes_vision_weights(tiny_vl_path, tmp_path, 
     assert all("rollplex/skipped_samples" in r for r in logs)
     changed = [n for n, p in trainer.model.named_parameters() if "visual" in n and not torch.equal(p, before[n])]
     assert changed, "no vision-tower weight changed during training"
+
+
+@pytest.mark.parametrize("share", ["auto", "off"])
+def test_video_evaluation(tiny_vl_path, tmp_path, video_rows, share):
+    config = _config(tmp_path, max_steps=1, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4,
+                     rollplex_share_prefix=share)
+    trainer = RollplexGRPOTrainer(model=str(tiny_vl_path), reward_funcs=varied_reward, args=config,
+                                  train_dataset=Dataset.from_list(video_rows),
+                                  eval_dataset=Dataset.from_list(video_rows))
+    trainer.train()
+    evals = [r for r in trainer.state.log_history if "eval_loss" in r]
+    assert evals and np.isfinite(evals[0]["eval_loss"]) and "eval_reward" in evals[0]
