@@ -172,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("--size", type=int, default=112)
     syn.add_argument("--seed", type=int, default=0)
     syn.set_defaults(func=_make_synthetic)
+    from rollplex_trl.memory.cli import register_cli as _memory
+    _memory(sub)
     return parser
 
 

@@ -54,6 +54,13 @@ class RollplexGRPOConfig(GRPOConfig):
         default=8,
         metadata={"help": "Unique prompts per prefix forward in the no-grad (reference/old) log-prob passes."},
     )
+    rollplex_memory_ledger: bool = field(
+        default=True,
+        metadata={
+            "help": "Keep a memory ledger by lifetime class and phase (rollout, train, optimizer, ...) and log it as "
+            "rollplex/mem_*. Observation only: it moves nothing."
+        },
+    )
     rollplex_video_fps: float = field(
         default=2.0, metadata={"help": "Frames sampled per second of video, as qwen-vl-utils does (FPS)."}
     )

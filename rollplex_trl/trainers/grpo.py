@@ -83,6 +83,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         self._actor_rows_in_flight: tuple[ActorPrefix, torch.Tensor] | None = None
         if self._wrap_datasets():
             self._suppress_video_token()
+        self.memory_ledger = self._setup_memory_ledger() if self.rollplex["rollplex_memory_ledger"] else None
         self.reward_funcs = [_reject_nan_rewards(f, name) for f, name in zip(self.reward_funcs,
                                                                               self.reward_func_names, strict=True)]
 
@@ -148,6 +149,22 @@ class RollplexGRPOTrainer(GRPOTrainer):
             evals = [self.eval_dataset]
         return any(isinstance(d, PreparedPromptDataset) and has_video_column(d.base)
                    for d in [self.train_dataset, *evals])
+
+    def _setup_memory_ledger(self):
+        """Phases from TRL's callbacks plus a `rollout` phase around generation; the actor prefix (boundary state,
+        from the window's first micro-batch to its backward) is registered so its bytes show in `rollplex/mem_*`."""
+        from rollplex_trl.callbacks import MemoryPhaseCallback
+        from rollplex_trl.memory import MemoryLedger, MemoryRegistry, ResidencyManager, wrap_in_phase
+
+        registry = MemoryRegistry()
+        ledger = MemoryLedger(registry, device=self.accelerator.device)
+        manager = ResidencyManager(registry, ledger)
+        registry.register_tensors(
+            "actor_prefix", lambda: [t for a in self._actor_prefix for t in (*a.leaf_state.kv_tensors(), *a.outputs)],
+            "boundary", "train", "train")
+        self.add_callback(MemoryPhaseCallback(manager, trainer=self))
+        wrap_in_phase(self, "_generate", manager, "rollout")
+        return ledger
 
     def _decide_prefix_sharing(self) -> tuple[bool, bool]:
         """Whether the no-grad scoring passes (reference, old) and the actor pass may use the shared prefix.
@@ -349,6 +366,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
                 continue
         actor = self._build_actor_prefix(model)
         self._actor_prefix.append(actor)
+        if self.memory_ledger is not None:
+            self.memory_ledger.sample()  # the boundary state is largest right after it is built
         return actor, rows_to_prompts(actor, prompt_ids, prompt_mask, rows)
 
     def _build_actor_prefix(self, model) -> ActorPrefix:

@@ -1,0 +1,140 @@
+"""The memory ledger: per phase, the peak and the resident bytes by lifetime class.
+
+Two sources, stated in every figure's name:
+- registered bytes (any device): the sum of ``nbytes()`` of registry objects placed on the device, plus transient
+  bytes that a mechanism reports while it runs (the optimizer chunks in flight). On CPU this is the only source.
+- CUDA allocator statistics: ``torch.cuda.max_memory_allocated`` per phase (the peak counter is reset at each
+  phase start) and ``memory_reserved``. They see every tensor, registered or not, but cannot tell classes apart.
+
+Metrics (``metrics()``), over the window since the last ``reset_window()`` (one logging interval):
+    rollplex/mem_<class>_bytes        highest device-resident registered bytes of that class
+    rollplex/mem_peak_<phase>_bytes   highest total in that phase (CUDA: allocator peak; CPU: registered bytes)
+    rollplex/mem_resident_bytes       registered bytes on the device now
+    rollplex/mem_host_bytes           registered bytes parked on the host now
+    rollplex/mem_reserved_bytes       CUDA only: bytes the caching allocator holds now
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from rollplex_trl.memory.lifetime import LifetimeClass, Phase, Placement
+from rollplex_trl.memory.registry import MemoryRegistry
+
+METRIC_PREFIX = "rollplex/mem_"
+
+
+@dataclass
+class Sample:
+    time_s: float
+    phase: Phase | None
+    by_class: dict[LifetimeClass, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_class.values())
+
+
+@dataclass
+class PhaseRecord:
+    phase: Phase
+    start_s: float
+    end_s: float | None = None
+    peak_bytes: int = 0  # registered bytes
+    peak_by_class: dict[LifetimeClass, int] = field(default_factory=lambda: dict.fromkeys(LifetimeClass, 0))
+    allocator_peak_bytes: int | None = None  # CUDA only
+
+
+class MemoryLedger:
+    def __init__(self, registry: MemoryRegistry, device: torch.device | str | None = None) -> None:
+        self.registry = registry
+        self.device = torch.device(device) if device is not None else None
+        self.cuda = self.device is not None and self.device.type == "cuda" and torch.cuda.is_available()
+        self.t0 = time.perf_counter()
+        self.records: list[PhaseRecord] = []
+        self.samples: list[Sample] = []
+        self._current: PhaseRecord | None = None
+        self.reset_window()
+
+    # --- sampling -------------------------------------------------------------------------------------------------
+
+    def sample(self, transient: Mapping[LifetimeClass | str, int] | None = None) -> Sample:
+        """Record the device-resident registered bytes now, plus ``transient`` bytes per class."""
+        by_class = self.registry.bytes_by_class(Placement.DEVICE)
+        for cls, nbytes in (transient or {}).items():
+            by_class[LifetimeClass(cls)] += nbytes
+        rec = self._current
+        s = Sample(time.perf_counter() - self.t0, rec.phase if rec else None, by_class)
+        self.samples.append(s)
+        for cls, nbytes in by_class.items():
+            self._class_peak[cls] = max(self._class_peak[cls], nbytes)
+            if rec is not None:
+                rec.peak_by_class[cls] = max(rec.peak_by_class[cls], nbytes)
+        if rec is not None:
+            rec.peak_bytes = max(rec.peak_bytes, s.total)
+            self._phase_peak[rec.phase] = max(self._phase_peak.get(rec.phase, 0), s.total)
+        return s
+
+    def begin_phase(self, phase: Phase | str) -> None:
+        if self._current is not None:
+            self.end_phase()
+        self._current = PhaseRecord(Phase(phase), time.perf_counter() - self.t0)
+        self.records.append(self._current)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.sample()
+
+    def end_phase(self) -> None:
+        rec = self._current
+        if rec is None:
+            return
+        self.sample()
+        rec.end_s = time.perf_counter() - self.t0
+        if self.cuda:
+            rec.allocator_peak_bytes = torch.cuda.max_memory_allocated(self.device)
+            self._allocator_peak[rec.phase] = max(self._allocator_peak.get(rec.phase, 0), rec.allocator_peak_bytes)
+        self._current = None
+
+    # --- reporting ------------------------------------------------------------------------------------------------
+
+    def reset_window(self) -> None:
+        """Start a new logging window (the peaks in ``metrics()`` cover one window)."""
+        self._class_peak: dict[LifetimeClass, int] = dict.fromkeys(LifetimeClass, 0)
+        self._phase_peak: dict[Phase, int] = {}
+        self._allocator_peak: dict[Phase, int] = {}
+        if self._current is not None:
+            # the phase in progress keeps counting in the new window
+            self._phase_peak[self._current.phase] = 0
+
+    def metrics(self) -> dict[str, float]:
+        if self._current is not None and self.cuda:
+            # the open phase's allocator peak so far
+            self._allocator_peak[self._current.phase] = max(
+                self._allocator_peak.get(self._current.phase, 0), torch.cuda.max_memory_allocated(self.device))
+        out: dict[str, float] = {f"{METRIC_PREFIX}{cls.value}_bytes": float(n) for cls, n in self._class_peak.items()}
+        peaks = self._allocator_peak if self.cuda else self._phase_peak
+        for phase, n in peaks.items():
+            out[f"{METRIC_PREFIX}peak_{phase.value}_bytes"] = float(n)
+        out[f"{METRIC_PREFIX}resident_bytes"] = float(sum(self.registry.bytes_by_class(Placement.DEVICE).values()))
+        out[f"{METRIC_PREFIX}host_bytes"] = float(sum(self.registry.bytes_by_class(Placement.HOST).values()))
+        if self.cuda:
+            out[f"{METRIC_PREFIX}reserved_bytes"] = float(torch.cuda.memory_reserved(self.device))
+        return out
+
+    def trace_events(self, pid: int = 0, tid: str = "memory") -> list[dict]:
+        """Chrome-trace events (``chrome://tracing``, Perfetto) to merge into the phase timeline: one span per phase
+        and one stacked counter per sample (registered device bytes by lifetime class)."""
+        events: list[dict] = []
+        for rec in self.records:
+            end = rec.end_s if rec.end_s is not None else time.perf_counter() - self.t0
+            events.append({"name": rec.phase.value, "cat": "memory-phase", "ph": "X", "pid": pid, "tid": tid,
+                           "ts": rec.start_s * 1e6, "dur": max(end - rec.start_s, 0.0) * 1e6,
+                           "args": {"peak_bytes": rec.peak_bytes, "allocator_peak_bytes": rec.allocator_peak_bytes}})
+        for s in self.samples:
+            events.append({"name": "device memory by lifetime class (registered bytes)", "ph": "C", "pid": pid,
+                           "ts": s.time_s * 1e6, "args": {cls.value: n for cls, n in s.by_class.items()}})
+        return events
