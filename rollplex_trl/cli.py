@@ -94,6 +94,7 @@ def _demo(args: argparse.Namespace) -> int:
         use_cpu=not torch.cuda.is_available(),
         gradient_checkpointing=False,
         dataloader_num_workers=0,
+        rollplex_timeline=True,
         rollplex_video_max_frames=args.frames,
         rollplex_video_max_pixels=args.max_pixels,
         rollplex_video_min_pixels=min(args.max_pixels, 4 * 28 * 28),
@@ -174,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     syn.set_defaults(func=_make_synthetic)
     from rollplex_trl.memory.cli import register_cli as _memory
     _memory(sub)
+    from rollplex_trl.sharding.cli import register_cli as _sharding
+    _sharding(sub)
     return parser
 
 

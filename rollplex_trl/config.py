@@ -54,6 +54,29 @@ class RollplexGRPOConfig(GRPOConfig):
         default=8,
         metadata={"help": "Unique prompts per prefix forward in the no-grad (reference/old) log-prob passes."},
     )
+    rollplex_overlap: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata={
+            "help": "Run the prefix work of a step (reference, old-policy and actor prefixes) inside the rollout's "
+            "decode window, at the same weights. 'auto': measure the first steps and keep it only where it shortens "
+            "the step (decision logged); 'on': always; 'off': prefixes computed when scored. Needs the shared prefix "
+            "and the transformers rollout.",
+            "choices": ["auto", "on", "off"],
+        },
+    )
+    rollplex_overlap_threads: int = field(
+        default=0,
+        metadata={"help": "CPU only: intra-op threads of the prefix worker (0: half the cores); the decoding thread "
+                  "keeps its own count."},
+    )
+    rollplex_overlap_timeout_s: float = field(
+        default=600.0,
+        metadata={"help": "Longest wait for a prefix job after decoding ends before the step fails with its name."},
+    )
+    rollplex_timeline: bool = field(
+        default=False,
+        metadata={"help": "Write the phase timeline of the run (Chrome-trace JSON and a Gantt PNG) to output_dir."},
+    )
     rollplex_memory_ledger: bool = field(
         default=True,
         metadata={
@@ -118,6 +141,11 @@ def rollplex_options(args: Any) -> dict[str, Any]:
 def _validate(cfg: RollplexGRPOConfig) -> None:
     if cfg.rollplex_share_prefix not in ("auto", "on", "off"):
         raise ValueError(f"rollplex_share_prefix must be 'auto', 'on' or 'off', got {cfg.rollplex_share_prefix!r}")
+    if cfg.rollplex_overlap not in ("auto", "on", "off"):
+        raise ValueError(f"rollplex_overlap must be 'auto', 'on' or 'off', got {cfg.rollplex_overlap!r}")
+    if cfg.rollplex_overlap_threads < 0 or cfg.rollplex_overlap_timeout_s <= 0:
+        raise ValueError("rollplex_overlap_threads must be >= 0 and rollplex_overlap_timeout_s > 0, got "
+                         f"{cfg.rollplex_overlap_threads} and {cfg.rollplex_overlap_timeout_s}")
     if cfg.rollplex_prefix_chunk_prompts < 1:
         raise ValueError(f"rollplex_prefix_chunk_prompts must be >= 1, got {cfg.rollplex_prefix_chunk_prompts}")
     if cfg.rollplex_video_fps <= 0:

@@ -50,14 +50,14 @@ def group_by_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
 
 
 def run_prefix(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-               rows: Sequence[PreparedPrompt] | None, *, keep_graph: bool, generate_positions: bool = False
-               ) -> PrefixState:
+               rows: Sequence[PreparedPrompt] | None, *, keep_graph: bool, generate_positions: bool = False,
+               trim: bool = True) -> PrefixState:
     """`prefix_forward` on U unique prompts, given as left-padded rows (U, P) and, for VL prompts, their
     `PreparedPrompt`s. Columns that are padding in every row are dropped first (they cost compute, change nothing).
     `generate_positions`: 1-D RoPE positions as HF's `generate` numbers them (from each row's first real token)
     instead of as its plain forward does (arange), so a cache built here continues `generate` exactly."""
     keep = prompt_mask.bool().any(0)
-    start = int(keep.nonzero()[0]) if keep.any() else 0
+    start = int(keep.nonzero()[0]) if keep.any() and trim else 0
     prompt_ids, prompt_mask = prompt_ids[:, start:], prompt_mask[:, start:]
     vision: dict[str, torch.Tensor] = {}
     if rows is not None:
@@ -73,10 +73,11 @@ def run_prefix(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
 
 def shared_prefix_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         logits_to_keep: int, rows: Sequence[PreparedPrompt] | None, *, temperature: float,
-                        compute_entropy: bool, prompts_per_chunk: int
+                        compute_entropy: bool, prompts_per_chunk: int, precomputed: Precomputed | None = None,
                         ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """Per-token log-probs (R, C) of TRL's batch (and entropies, and the number of unique prompts), each unique
-    prompt's prefix computed once.
+    prompt's prefix computed once. `precomputed` holds prefix states built earlier (in the rollout's decode window)
+    for exactly these prompts; then only the suffixes run here.
 
     Runs under whatever grad mode the caller set, with each chunk's prefix and suffixes in one graph (no-grad passes
     and evaluation). `prompts_per_chunk` bounds how many unique prompts (with all their rows) run at once.
@@ -85,13 +86,19 @@ def shared_prefix_logps(model: torch.nn.Module, input_ids: torch.Tensor, attenti
     prompt_ids, prompt_mask = input_ids[:, :P], attention_mask[:, :P]
     completion_ids, completion_mask = input_ids[:, P:], attention_mask[:, P:]
     groups = group_by_prompt(prompt_ids, prompt_mask, rows)
+    if precomputed is not None and not precomputed.matches(groups.keys):
+        precomputed = None  # built for other prompts (cannot happen in the trainer's order): compute here instead
     chunk_rows, chunk_logps, chunk_entropies = [], [], []
     U = len(groups.keys)
     for start in range(0, U, max(1, prompts_per_chunk)):
         stop = min(U, start + max(1, prompts_per_chunk))
         first = [groups.first_row[u] for u in range(start, stop)]
-        state = run_prefix(model, prompt_ids[first], prompt_mask[first],
-                           [rows[r] for r in first] if rows is not None else None, keep_graph=torch.is_grad_enabled())
+        if precomputed is not None:
+            state = precomputed.state.take(torch.arange(start, stop, device=prompt_ids.device))
+        else:
+            state = run_prefix(model, prompt_ids[first], prompt_mask[first],
+                               [rows[r] for r in first] if rows is not None else None,
+                               keep_graph=torch.is_grad_enabled())
         row_idx = torch.nonzero((groups.row_to_prompt >= start) & (groups.row_to_prompt < stop))[:, 0]
         lp, ent = suffix_logps(model, state, groups.row_to_prompt[row_idx] - start, completion_ids[row_idx],
                                completion_mask[row_idx], temperature=temperature, compute_entropy=compute_entropy)
@@ -105,6 +112,39 @@ def shared_prefix_logps(model: torch.nn.Module, input_ids: torch.Tensor, attenti
     logps = torch.cat(chunk_logps)[inverse]
     entropies = torch.cat(chunk_entropies)[inverse] if compute_entropy else None
     return logps, entropies, U
+
+
+@dataclass
+class Precomputed:
+    """A prefix state computed ahead of its use (in the decode window), with the prompt keys it was built for."""
+
+    keys: list[object]
+    state: PrefixState
+
+    def matches(self, keys: list[object]) -> bool:
+        return keys == self.keys
+
+
+def precompute_prefix(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                      rows: Sequence[PreparedPrompt] | None, *, keep_graph: bool, prompts_per_chunk: int
+                      ) -> Precomputed:
+    """Prefix states of the unique prompts of a batch (rows grouped as the scoring passes will group them), in
+    chunks, concatenated at the batch's full prompt width so any subset can be taken later."""
+    groups = group_by_prompt(prompt_ids, prompt_mask, rows)
+    states = []
+    for start in range(0, len(groups.keys), max(1, prompts_per_chunk)):
+        first = groups.first_row[start:start + prompts_per_chunk]
+        states.append(run_prefix(model, prompt_ids[first], prompt_mask[first],
+                                 [rows[r] for r in first] if rows is not None else None, keep_graph=keep_graph,
+                                 trim=False))
+    state = states[0] if len(states) == 1 else states[0].__class__(
+        keys=[torch.cat(ks) for ks in zip(*(s.keys for s in states))],
+        values=[torch.cat(vs) for vs in zip(*(s.values for s in states))],
+        prompt_mask=torch.cat([s.prompt_mask for s in states]),
+        last_token_ids=torch.cat([s.last_token_ids for s in states]),
+        last_positions=torch.cat([s.last_positions for s in states], dim=-1),
+        num_layers=states[0].num_layers, has_graph=any(s.has_graph for s in states))
+    return Precomputed(keys=groups.keys, state=state)
 
 
 @dataclass

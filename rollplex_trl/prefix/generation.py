@@ -53,11 +53,12 @@ def _prefill_once(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
 
 @contextlib.contextmanager
 def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None,
-                   on_prefill=None) -> Iterator[None]:
+                   on_prefill=None, decode_window=None) -> Iterator[None]:
     """Inside the block, `model.generate(input_ids, attention_mask, ...)` prefills each unique prompt once.
 
     `rows` are the generation batch's prepared prompts (None for text-only prompts, grouped by their tokens).
-    `on_prefill(rows, unique_prompts)` is called after each shared prefill (for metrics).
+    `on_prefill(rows, unique_prompts)` is called after each shared prefill (for metrics). `decode_window(input_ids,
+    attention_mask)`, a context manager factory, wraps the decoding itself (the overlap runs prefix work inside it).
     """
     causal_lm = unwrap_model(model)
     original = causal_lm.generate  # the bound method (instance attribute lookups fall back to the class)
@@ -71,7 +72,9 @@ def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None
             backbone.rope_deltas = deltas
         if on_prefill is not None:
             on_prefill(input_ids.size(0), unique)
-        return original(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **kwargs)
+        window = decode_window(input_ids, attention_mask) if decode_window is not None else contextlib.nullcontext()
+        with window:
+            return original(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **kwargs)
 
     causal_lm.generate = generate
     try:

@@ -57,6 +57,13 @@ class PrefixState:
         """keys and values of all layers as one flat list: [k_0, v_0, k_1, v_1, ...]."""
         return [t for kv in zip(self.keys, self.values) for t in kv]
 
+    def take(self, prompts: torch.Tensor) -> PrefixState:
+        """The state of a subset of the prompts (differentiable `index_select` on the K/V)."""
+        return replace(
+            self, keys=[k.index_select(0, prompts) for k in self.keys],
+            values=[v.index_select(0, prompts) for v in self.values], prompt_mask=self.prompt_mask[prompts],
+            last_token_ids=self.last_token_ids[prompts], last_positions=self.last_positions.index_select(-1, prompts))
+
     def with_kv(self, tensors: list[torch.Tensor], has_graph: bool) -> PrefixState:
         """A copy holding `tensors` (in `kv_tensors()` order) in place of the keys and values."""
         return replace(self, keys=list(tensors[0::2]), values=list(tensors[1::2]), has_graph=has_graph)

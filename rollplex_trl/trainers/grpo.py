@@ -20,6 +20,7 @@ import contextlib
 import functools
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,6 +31,7 @@ from trl.trainer.grpo_trainer import is_async_callable  # TRL's own test for asy
 from rollplex_trl.config import rollplex_options
 from rollplex_trl.data.errors import RollplexDataError
 from rollplex_trl.data.video import VideoSamplingConfig
+from rollplex_trl.executor import Span
 from rollplex_trl.multimodal.dataset import (
     IMAGE_COLUMNS,
     PREPARED_KEY,
@@ -48,6 +50,7 @@ from rollplex_trl.multimodal.prompt import (
 from rollplex_trl.prefix import backward_prefix, detach_prefix, suffix_logps
 from rollplex_trl.prefix.batch import ActorPrefix, group_by_prompt, rows_to_prompts, run_prefix, shared_prefix_logps
 from rollplex_trl.prefix.generation import shared_prefill
+from rollplex_trl.trainers.overlap import OverlapMixin
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ _TRL_VISION_KWARGS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", 
                       "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
-class RollplexGRPOTrainer(GRPOTrainer):
+class RollplexGRPOTrainer(OverlapMixin, GRPOTrainer):
     """Drop-in replacement for `trl.GRPOTrainer` that also trains on video (Qwen2.5-VL).
 
     Use it like `GRPOTrainer`; configure it with `RollplexGRPOConfig` (a `GRPOConfig` subclass; a plain
@@ -81,6 +84,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         self._actor_prefix: list[ActorPrefix] = []
         self._window_steps_left = 0
         self._actor_rows_in_flight: tuple[ActorPrefix, torch.Tensor] | None = None
+        self._init_overlap()  # prefix jobs in the rollout's decode window (trainers/overlap.py)
         if self._wrap_datasets():
             self._suppress_video_token()
         self.memory_ledger = self._setup_memory_ledger() if self.rollplex["rollplex_memory_ledger"] else None
@@ -264,7 +268,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
         def log(rows_count: int, prompts: int) -> None:
             self._metrics[mode]["rollplex/prefill_rows_per_prompt"].append(rows_count / max(1, prompts))
 
-        with shared_prefill(self.accelerator.unwrap_model(self.model), rows, on_prefill=log):
+        with shared_prefill(self.accelerator.unwrap_model(self.model), rows, on_prefill=log,
+                            decode_window=self._decode_window_factory(rows)):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
 
@@ -291,12 +296,25 @@ class RollplexGRPOTrainer(GRPOTrainer):
     def training_step(self, model, inputs, num_items_in_batch):
         if self._share_actor and self._window_steps_left == 0:
             self._window_steps_left = self.current_gradient_accumulation_steps
+        start = time.perf_counter()
         output = super().training_step(model, inputs, num_items_in_batch)
         if self._share_actor:
             self._window_steps_left -= 1
             if self._window_steps_left == 0:
                 self._finish_actor_prefix()
+        self.timeline.add(Span("micro-step", "train", start, time.perf_counter()))
+        if self.overlap_executor is not None and self._step % self.current_gradient_accumulation_steps == 0:
+            self.overlap_executor.assert_idle()  # barrier 3: the optimizer step follows
         return output
+
+    def train(self, *args: Any, **kwargs: Any):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._precomputed.clear()
+            if self.overlap_executor is not None:
+                self.overlap_executor.close()
+            self._write_timeline()
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **vision_kwargs):
@@ -321,7 +339,9 @@ class RollplexGRPOTrainer(GRPOTrainer):
                 logps, entropies, num_prompts = shared_prefix_logps(
                     self.accelerator.unwrap_model(model), input_ids, attention_mask, logits_to_keep, rows,
                     temperature=self.temperature, compute_entropy=compute_entropy,
-                    prompts_per_chunk=self.rollplex["rollplex_prefix_chunk_prompts"])
+                    prompts_per_chunk=self.rollplex["rollplex_prefix_chunk_prompts"],
+                    precomputed=None if torch.is_grad_enabled() else self._take_precomputed(
+                        "ref" if model is self.ref_model else "old"))
             self._log_prefix_use(input_ids.size(0), num_prompts)
             return logps, entropies, None
         if rows is None:
@@ -371,6 +391,11 @@ class RollplexGRPOTrainer(GRPOTrainer):
         return actor, rows_to_prompts(actor, prompt_ids, prompt_mask, rows)
 
     def _build_actor_prefix(self, model) -> ActorPrefix:
+        pre = self._take_precomputed("actor")  # built in the decode window at the same weights (trainers/overlap.py)
+        if pre is not None:
+            leaf_state, outputs = detach_prefix(pre.state)
+            return ActorPrefix(window=self.state.global_step, key_to_prompt={k: i for i, k in enumerate(pre.keys)},
+                               leaf_state=leaf_state, outputs=outputs)
         spg = self.args.steps_per_generation
         generate_every = spg * self.num_iterations
         # micro-batches of this window still to come that the current buffer serves (a later generation may start

@@ -1,0 +1,197 @@
+"""OverlapExecutor: run response-independent prefix work while the rollout decodes, without going off-policy.
+
+The prefix of step k (vision tower, reference prefix, old-policy prefix, the actor prefix with its graph) depends
+only on the prompts and on the weights θ_k, so it can run inside the decode window. Three barriers keep learning
+synchronous and on-policy:
+
+1. θ_k is read-only from rollout start until every reader has finished: `WeightGuard` snapshots every parameter's
+   version counter when the window opens and `check()` raises if any in-place write (an optimizer step, a weight
+   sync, a stray `add_`) happened before the readers were collected.
+2. The suffix starts only when both the response and the boundary state are ready: consumers call `result()`,
+   which waits for the job (bounded by a timeout) and re-raises its exception with the original traceback.
+3. The optimizer step commits only after every θ_k reader is quiet: `assert_idle()` is called before the step.
+
+Where it runs: on CUDA a dedicated side stream (ordered after the current stream with an event; the consumer's
+stream waits on the job's event, never a device-wide synchronize). On CPU a single worker thread with its own
+intra-op thread budget (PyTorch's thread count is per thread). For multi-process rollout engines (vLLM in another
+process) the same jobs run on the trainer's default stream while the engine decodes; on one GPU, CUDA MPS lets both
+processes share the SMs (start `nvidia-cuda-mps-control -d` before both).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class OverlapError(RuntimeError):
+    """A prefix job failed, timed out, or a barrier was violated."""
+
+
+@dataclass
+class Span:
+    """One interval of the phase timeline (seconds on `time.perf_counter`)."""
+
+    name: str
+    lane: str
+    start: float
+    end: float
+    args: dict = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+class WeightGuard:
+    """Barrier 1: detects writes to parameters while θ_k readers may still run.
+
+    Every in-place write to a tensor bumps its version counter (`Tensor._version`), optimizers included.
+    """
+
+    def __init__(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        self._params = list(parameters)
+        self._versions = [p._version for p in self._params]
+
+    def check(self, what: str) -> None:
+        changed = [i for i, (p, v) in enumerate(zip(self._params, self._versions)) if p._version != v]
+        if changed:
+            raise OverlapError(
+                f"{len(changed)} parameter(s) were written while {what} was reading θ_k (first: index {changed[0]}, "
+                f"shape {tuple(self._params[changed[0]].shape)}); prefix states computed in this window would be "
+                "off-policy. Do not step the optimizer or sync weights inside the rollout window."
+            )
+
+
+class Job:
+    """A submitted prefix job: its future, its timing and (on CUDA) the event that marks its completion."""
+
+    def __init__(self, name: str, future: concurrent.futures.Future, timeout_s: float) -> None:
+        self.name = name
+        self.future = future
+        self.timeout_s = timeout_s
+        self.span: Span | None = None
+        self.event: torch.cuda.Event | None = None
+
+    def result(self) -> Any:
+        """Wait (bounded) for the job; re-raise its exception, chained, with the job's name."""
+        try:
+            value = self.future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError as err:
+            raise OverlapError(f"prefix job '{self.name}' did not finish within {self.timeout_s:.0f} s "
+                               "(rollplex_overlap_timeout_s)") from err
+        except Exception as err:
+            raise OverlapError(f"prefix job '{self.name}' failed: {type(err).__name__}: {err}") from err
+        if self.event is not None:  # the consumer's stream waits for the side stream's work, no host sync
+            torch.cuda.current_stream().wait_event(self.event)
+        return value
+
+
+class OverlapExecutor:
+    """Runs prefix jobs concurrently with the caller (CPU: a worker thread; CUDA: a side stream in that thread).
+
+    `concurrent=False` runs each job inline at submit time (the serial schedule, same code path), which is what
+    `rollplex_overlap="off"` and the measurement step of "auto" use.
+    """
+
+    def __init__(self, device: torch.device | str, cpu_threads: int = 0, timeout_s: float = 600.0) -> None:
+        self.device = torch.device(device)
+        self.timeout_s = timeout_s
+        self.cpu_threads = cpu_threads or max(1, torch.get_num_threads() // 2)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._jobs: list[Job] = []
+        self._lock = threading.Lock()
+
+    def _worker_init(self) -> None:
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.cpu_threads)  # per-thread budget: the decoding thread keeps its own
+
+    def _ensure_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="rollplex-prefix", initializer=self._worker_init)
+        return self._pool
+
+    def submit(self, name: str, fn: Callable[[], Any], concurrent_run: bool = True) -> Job:
+        """Queue `fn` (jobs run one after another, in submission order) and return its `Job`."""
+        job_box: dict[str, Job] = {}
+        ready = None
+        if self._stream is not None:  # the side stream must see everything queued before the window opened
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+
+        def run() -> Any:
+            start = time.perf_counter()
+            try:
+                if self._stream is None:
+                    return fn()
+                self._stream.wait_event(ready)
+                with torch.cuda.stream(self._stream):
+                    value = fn()
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+                    job_box["job"].event = event
+                return value
+            finally:
+                job_box["job"].span = Span(name, "prefix", start, time.perf_counter())
+
+        future: concurrent.futures.Future
+        if concurrent_run:
+            job = Job(name, concurrent.futures.Future(), self.timeout_s)
+            job_box["job"] = job
+            job.future = self._ensure_pool().submit(run)
+        else:
+            future = concurrent.futures.Future()
+            job = Job(name, future, self.timeout_s)
+            job_box["job"] = job
+            try:
+                future.set_result(run())
+            except BaseException as err:  # noqa: BLE001 - delivered to whoever waits, like the threaded path
+                future.set_exception(err)
+        with self._lock:
+            self._jobs.append(job)
+        return job
+
+    def wait_all(self) -> list[Job]:
+        """Wait for every submitted job (raising the first failure); returns them and forgets them."""
+        with self._lock:
+            jobs, self._jobs = self._jobs, []
+        try:
+            for job in jobs:
+                job.result()
+        except BaseException:
+            self._abandon(jobs)
+            raise
+        return jobs
+
+    def abandon(self) -> None:
+        """Drop every pending job (Ctrl-C, a failure elsewhere): queued ones are cancelled, a running one finishes
+        in the background and its result is discarded, so no half-built state reaches the next step."""
+        with self._lock:
+            jobs, self._jobs = self._jobs, []
+        self._abandon(jobs)
+
+    @staticmethod
+    def _abandon(jobs: list[Job]) -> None:
+        for job in jobs:
+            job.future.cancel()
+
+    def assert_idle(self) -> None:
+        """Barrier 3: no θ_k reader may still be pending when the optimizer commits."""
+        with self._lock:
+            pending = [j.name for j in self._jobs if not j.future.done()]
+        if pending:
+            raise OverlapError(f"optimizer step while prefix jobs {pending} still read θ_k")
+
+    def close(self) -> None:
+        self.abandon()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None

@@ -1,0 +1,176 @@
+"""The overlap schedule inside RollplexGRPOTrainer: prefix jobs run in the rollout's decode window.
+
+While the transformers rollout decodes at θ_k, a worker computes, for the step's unique prompts:
+- `ref`: the reference model's prefix (no grad), used by the reference log-prob pass;
+- `old`: the policy's prefix (no grad), used by the old log-prob pass when TRL computes one;
+- `actor`: the policy's prefix with its autograd graph, used by the loss (when one generation batch is exactly one
+  gradient-accumulation window and num_iterations == 1: otherwise the weights change before it would be used).
+The decoding thread and the worker only read θ_k (barrier 1, `WeightGuard`); scoring waits for its job (barrier 2);
+the optimizer step asserts the executor is idle (barrier 3). Jobs never toggle module state that the rollout reads:
+PEFT reference passes (which disable the adapter, module-global state) are not overlapped.
+
+`rollplex_overlap="auto"` runs the first generation step serially (decode, then the same jobs) and the second
+concurrently, then keeps whichever schedule had the shorter critical path, logging the numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from rollplex_trl.executor import OverlapExecutor, Span, Timeline, WeightGuard, window_stats
+from rollplex_trl.prefix.batch import Precomputed, precompute_prefix
+
+logger = logging.getLogger(__name__)
+
+
+class OverlapMixin:
+    """Mixed into RollplexGRPOTrainer (before GRPOTrainer); uses its sharing decisions and prepared rows."""
+
+    def _init_overlap(self) -> None:
+        o = self.rollplex
+        self._overlap_mode = o["rollplex_overlap"]
+        self._precomputed: dict[str, Precomputed] = {}
+        self.timeline = Timeline()
+        self._serial_decode_s: float | None = None  # baseline for rollplex/decode_slowdown
+        self._auto_serial_s: float | None = None
+        self._auto_decided = self._overlap_mode != "auto"
+        self._overlap_active = self._overlap_mode == "on"
+        self._windows_seen = 0
+        reasons = []
+        if not self._share_scoring:
+            reasons.append("the shared prefix is off")
+        if self.use_vllm or self.use_transformers_continuous_batching:
+            reasons.append("the rollout is not transformers' generate (the vLLM engine is future work)")
+        if reasons and self._overlap_mode != "off":
+            message = f"rollplex_overlap: off: {'; '.join(reasons)}"
+            if self._overlap_mode == "on":
+                raise ValueError(message + " (set rollplex_overlap='auto' or 'off')")
+            logger.warning(message)
+            self._overlap_mode = "off"
+        self.overlap_executor = None
+        if self._overlap_mode != "off":
+            self.overlap_executor = OverlapExecutor(self.accelerator.device, cpu_threads=o["rollplex_overlap_threads"],
+                                                    timeout_s=o["rollplex_overlap_timeout_s"])
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The jobs of one window
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _needs_old_logps(self) -> bool:
+        # TRL's own condition (GRPOTrainer._generate_and_score_completions)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return (self.args.gradient_accumulation_steps % generate_every != 0
+                or (self.use_vllm and self.vllm_importance_sampling_correction))
+
+    def _window_jobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows) -> list[tuple[str, object]]:
+        policy = self.accelerator.unwrap_model(self.model)
+        is_peft = hasattr(policy, "peft_config")
+        chunk = self.rollplex["rollplex_prefix_chunk_prompts"]
+        jobs = []
+
+        def scoring_job(model):
+            def run() -> Precomputed:
+                with torch.no_grad(), self.accelerator.autocast():
+                    return precompute_prefix(model, input_ids, attention_mask, rows, keep_graph=False,
+                                             prompts_per_chunk=chunk)
+            return run
+
+        if self.beta != 0.0 and self.ref_model is not None:
+            jobs.append(("ref", scoring_job(self.accelerator.unwrap_model(self.ref_model))))
+        if self._needs_old_logps() and not is_peft:
+            jobs.append(("old", scoring_job(policy)))
+        window_is_generation = (self.args.steps_per_generation == self.args.gradient_accumulation_steps
+                                and self.num_iterations == 1)
+        if self._share_actor and self.model.training and window_is_generation:
+            def actor() -> Precomputed:
+                with torch.enable_grad(), self.accelerator.autocast():
+                    return precompute_prefix(policy, input_ids, attention_mask, rows, keep_graph=True,
+                                             prompts_per_chunk=input_ids.size(0))
+            jobs.append(("actor", actor))
+        return jobs
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The window
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _decode_window_factory(self, rows):
+        if self.overlap_executor is None:
+            return None
+
+        @contextlib.contextmanager
+        def window(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Iterator[None]:
+            self._precomputed.clear()  # never carry a state into another window
+            if self._auto_decided and not self._overlap_active:
+                yield  # "auto" decided against it: prefixes are computed when scored, as with "off"
+                return
+            jobs = self._window_jobs(input_ids, attention_mask, rows)
+            concurrent = self._overlap_active or (not self._auto_decided and self._windows_seen == 1)
+            guard = WeightGuard([*self.model.parameters(),
+                                 *(self.ref_model.parameters() if self.ref_model is not None else [])])
+            executor = self.overlap_executor
+            start = time.perf_counter()
+            if concurrent:
+                for name, fn in jobs:
+                    executor.submit(name, fn)
+            try:
+                yield
+            except BaseException:
+                executor.abandon()  # Ctrl-C or a failed decode: no half-built state survives
+                raise
+            decode = Span("decode", "decode", start, time.perf_counter())
+            if not concurrent:  # the serial schedule: the same jobs, after decoding
+                for name, fn in jobs:
+                    executor.submit(name, fn, concurrent_run=False)
+            try:
+                done = executor.wait_all()
+                guard.check("the prefix jobs")  # barrier 1
+            except BaseException:
+                self._precomputed.clear()
+                raise
+            for job in done:
+                self._precomputed[job.name] = job.future.result()
+            self._record_window(decode, [j.span for j in done if j.span is not None], concurrent, bool(jobs))
+
+        return window
+
+    def _record_window(self, decode: Span, spans: list[Span], concurrent: bool, had_jobs: bool) -> None:
+        self.timeline.add(decode)
+        for span in spans:
+            self.timeline.add(span)
+        stats = window_stats(decode, spans)
+        if not concurrent:
+            self._serial_decode_s = stats.decode_s
+        mode = "train" if self.model.training else "eval"
+        for key, value in stats.metrics(self._serial_decode_s).items():
+            self._metrics[mode][key].append(value)
+        self._metrics[mode]["rollplex/overlap_active"].append(float(concurrent))
+        self._windows_seen += 1
+        if self._auto_decided or not had_jobs:
+            return
+        if self._windows_seen == 1:
+            self._auto_serial_s = stats.decode_s + stats.prefix_s
+        elif self._windows_seen == 2:
+            self._overlap_active = stats.critical_path_s < self._auto_serial_s
+            self._auto_decided = True
+            logger.warning(
+                "rollplex_overlap=auto: serial decode+prefix %.3f s, overlapped critical path %.3f s "
+                "(decode slowdown x%.2f, hidden %.3f s) -> overlap %s", self._auto_serial_s, stats.critical_path_s,
+                stats.decode_s / (self._serial_decode_s or stats.decode_s), stats.hidden_s,
+                "ON" if self._overlap_active else "OFF")
+
+    def _take_precomputed(self, kind: str) -> Precomputed | None:
+        return self._precomputed.pop(kind, None)
+
+    def _write_timeline(self) -> None:
+        if not self.rollplex["rollplex_timeline"] or not self.timeline.spans or not self.is_world_process_zero():
+            return
+        out = Path(self.args.output_dir)
+        trace = self.timeline.write_chrome_trace(out / "rollplex_timeline.json")
+        png = self.timeline.write_gantt(out / "rollplex_timeline.png")
+        logger.warning("rollplex: phase timeline written to %s%s", trace, f" and {png}" if png else "")

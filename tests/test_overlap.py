@@ -1,0 +1,181 @@
+"""Prefix work in the rollout's decode window: same learning, barriers, no state leaks, clean failures."""
+
+import json
+import logging
+import threading
+import time
+
+import pytest
+import torch
+from datasets import Dataset
+
+import rollplex_trl.trainers.overlap as overlap_module
+from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
+from rollplex_trl.executor import OverlapError, OverlapExecutor
+
+from helpers import write_mp4
+
+
+class RecordingReward:
+    """Reward that also records every completion it scores, to compare what the rollout sampled."""
+
+    __name__ = "recording_reward"
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, completions, **kwargs):
+        texts = [c[0]["content"] for c in completions]
+        self.seen.extend(texts)
+        return [float(len(t) % 5) for t in texts]
+
+
+def _config(tmp_path, overlap, **overrides):
+    kwargs = dict(output_dir=str(tmp_path / overlap), max_steps=5, per_device_train_batch_size=4, num_generations=2,
+                  max_completion_length=6, learning_rate=5e-3, beta=0.1, logging_steps=1, report_to=[], seed=5,
+                  use_cpu=True, bf16=False, save_strategy="no", rollplex_overlap=overlap,
+                  rollplex_video_min_pixels=4 * 28 * 28, rollplex_video_max_pixels=56 * 84)
+    kwargs.update(overrides)
+    return RollplexGRPOConfig(**kwargs)
+
+
+@pytest.fixture()
+def video_dataset(tmp_path):
+    rows = []
+    for i, (h, w, n) in enumerate([(56, 56, 8), (56, 84, 12), (84, 56, 8), (56, 56, 16)]):
+        clip = write_mp4(tmp_path / f"clip{i}.mp4", num_frames=n, height=h, width=w, fps=4, seed=i)
+        rows.append({"problem_id": i, "video": str(clip),
+                     "prompt": [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Q" * i}]}]})
+    return Dataset.from_list(rows)
+
+
+def _train(model, dataset, tmp_path, overlap, peft_config=None, **overrides):
+    reward = RecordingReward()
+    trainer = RollplexGRPOTrainer(model=str(model), reward_funcs=reward, args=_config(tmp_path, overlap, **overrides),
+                                  train_dataset=dataset, peft_config=peft_config)
+    trainer.train()
+    return trainer, [r for r in trainer.state.log_history if "loss" in r], reward.seen
+
+
+@pytest.mark.parametrize("extra", [{}, {"num_iterations": 2, "max_steps": 4}])
+def test_overlap_on_and_off_learn_the_same(tiny_vl_path, tmp_path, video_dataset, extra):
+    on, logs_on, samples_on = _train(tiny_vl_path, video_dataset, tmp_path, "on", **extra)
+    rng_on = torch.random.get_rng_state()
+    off, logs_off, samples_off = _train(tiny_vl_path, video_dataset, tmp_path, "off", **extra)
+    assert torch.equal(rng_on, torch.random.get_rng_state()), "the prefix jobs consumed random numbers"
+    assert samples_on == samples_off, "overlap changed what the rollout sampled"
+    assert len(logs_on) == len(logs_off) == extra.get("max_steps", 5)
+    for a, b in zip(logs_on, logs_off, strict=True):
+        for key in ("loss", "kl", "grad_norm", "entropy", "reward"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+        if "reward" in b:
+            assert a["rollplex/overlap_active"] == 1.0 and a["rollplex/prefix_s"] > 0
+            assert a["rollplex/hidden_s"] <= a["rollplex/prefix_s"] + 1e-9
+            assert a["rollplex/critical_path_s"] >= a["rollplex/decode_s"] - 1e-9
+    assert not any("rollplex/overlap_active" in r for r in logs_off)
+    # module state after the windows: training mode and checkpointing flags as TRL left them
+    assert on.model.training == off.model.training
+    flags = [getattr(m, "gradient_checkpointing", None) for m in on.model.modules()]
+    assert flags == [getattr(m, "gradient_checkpointing", None) for m in off.model.modules()]
+    assert not any("_can_checkpoint_with_cache" in vars(m) for m in on.model.modules())
+
+
+def test_peft_reference_pass_does_not_change_the_rollout(tiny_vl_path, tmp_path, video_dataset):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    _, logs_on, samples_on = _train(tiny_vl_path, video_dataset, tmp_path, "on", peft_config=lora, max_steps=3)
+    _, logs_off, samples_off = _train(tiny_vl_path, video_dataset, tmp_path, "off", peft_config=lora, max_steps=3)
+    assert samples_on == samples_off
+    for a, b in zip(logs_on, logs_off, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-5, abs=1e-7)
+
+
+def _text_trainer(tiny_qwen2_path, tmp_path, overlap="on", **overrides):
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"count {i} " * (i + 1)}] for i in range(4)]})
+    return RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=RecordingReward(), train_dataset=dataset,
+                               args=_config(tmp_path, overlap, **{"max_steps": 2, **overrides}))
+
+
+def test_a_weight_write_inside_the_window_is_detected(tiny_qwen2_path, tmp_path):
+    trainer = _text_trainer(tiny_qwen2_path, tmp_path)
+    enc = trainer.processing_class(["count to three", "count to three"], return_tensors="pt", padding=True)
+    window = trainer._decode_window_factory(None)
+    with pytest.raises(OverlapError, match="written while"):
+        with window(enc["input_ids"], enc["attention_mask"]):
+            with torch.no_grad():  # what an optimizer step or a weight sync would do
+                next(trainer.model.parameters()).add_(0.0)
+    assert trainer._precomputed == {}, "no state from the violated window may be used"
+
+
+def test_optimizer_barrier_refuses_pending_readers():
+    executor = OverlapExecutor("cpu", timeout_s=5)
+    release = threading.Event()
+    job = executor.submit("slow", lambda: release.wait(5))
+    with pytest.raises(OverlapError, match="still read"):
+        executor.assert_idle()
+    release.set()
+    assert job.result() is True
+    executor.assert_idle()
+    executor.close()
+
+
+def test_a_failing_prefix_job_surfaces_with_its_traceback(tiny_qwen2_path, tmp_path, monkeypatch):
+    def broken_prefix(*args, **kwargs):
+        raise ValueError("boom in the prefix job")
+
+    monkeypatch.setattr(overlap_module, "precompute_prefix", broken_prefix)
+    trainer = _text_trainer(tiny_qwen2_path, tmp_path)
+    start = time.perf_counter()
+    with pytest.raises(OverlapError, match="prefix job 'ref' failed: ValueError: boom") as info:
+        trainer.train()
+    assert time.perf_counter() - start < 60
+    assert isinstance(info.value.__cause__, ValueError)
+    frames = []
+    tb = info.value.__cause__.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    assert "broken_prefix" in frames, "the original traceback was lost"
+    assert trainer._precomputed == {} and trainer.overlap_executor._jobs == []
+
+
+def test_a_hung_prefix_job_times_out(tiny_qwen2_path, tmp_path, monkeypatch):
+    def slow_prefix(*args, **kwargs):
+        time.sleep(3)
+
+    monkeypatch.setattr(overlap_module, "precompute_prefix", slow_prefix)
+    trainer = _text_trainer(tiny_qwen2_path, tmp_path, rollplex_overlap_timeout_s=0.5)
+    with pytest.raises(OverlapError, match="did not finish within"):
+        trainer.train()
+    assert trainer._precomputed == {}
+
+
+def test_interrupt_during_decoding_leaves_nothing_behind(tiny_qwen2_path, tmp_path, monkeypatch):
+    trainer = _text_trainer(tiny_qwen2_path, tmp_path)
+    model_cls = type(trainer.accelerator.unwrap_model(trainer.model))
+
+    def interrupted_generate(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model_cls, "generate", interrupted_generate)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert trainer.overlap_executor is None or trainer.overlap_executor._jobs == []
+    assert trainer._precomputed == {}
+
+
+def test_auto_decides_and_logs(tiny_qwen2_path, tmp_path, caplog):
+    trainer = _text_trainer(tiny_qwen2_path, tmp_path, overlap="auto", max_steps=4, rollplex_timeline=True)
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    assert "rollplex_overlap=auto" in caplog.text and ("-> overlap ON" in caplog.text
+                                                       or "-> overlap OFF" in caplog.text)
+    active = [r["rollplex/overlap_active"] for r in trainer.state.log_history if "rollplex/overlap_active" in r]
+    assert active[:2] == [0.0, 1.0]  # measured serially, then overlapped
+    trace = json.loads((tmp_path / "auto" / "rollplex_timeline.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"decode", "ref", "micro-step"} <= names
+    assert (tmp_path / "auto" / "rollplex_timeline.png").stat().st_size > 0
