@@ -42,6 +42,8 @@ class OverlapMixin:
         self._auto_decided = self._overlap_mode != "auto"
         self._overlap_active = self._overlap_mode == "on"
         self._windows_seen = 0
+        # Benchmarks set this to run the window's jobs after decoding (the serial schedule, same work, measured).
+        self.overlap_force_serial = False
         reasons = []
         if not self._share_scoring:
             reasons.append("the shared prefix is off")
@@ -110,19 +112,25 @@ class OverlapMixin:
                 yield  # "auto" decided against it: prefixes are computed when scored, as with "off"
                 return
             jobs = self._window_jobs(input_ids, attention_mask, rows)
-            concurrent = self._overlap_active or (not self._auto_decided and self._windows_seen == 1)
+            concurrent = (self._overlap_active or (not self._auto_decided and self._windows_seen == 1)) \
+                and not self.overlap_force_serial
             guard = WeightGuard([*self.model.parameters(),
                                  *(self.ref_model.parameters() if self.ref_model is not None else [])])
             executor = self.overlap_executor
             start = time.perf_counter()
+            decode_threads = torch.get_num_threads()
             if concurrent:
                 for name, fn in jobs:
                     executor.submit(name, fn)
+                if executor.device.type == "cpu" and jobs:  # split the cores: the worker has its own budget
+                    torch.set_num_threads(max(1, decode_threads - executor.cpu_threads))
             try:
                 yield
             except BaseException:
                 executor.abandon()  # Ctrl-C or a failed decode: no half-built state survives
                 raise
+            finally:
+                torch.set_num_threads(decode_threads)
             decode = Span("decode", "decode", start, time.perf_counter())
             if not concurrent:  # the serial schedule: the same jobs, after decoding
                 for name, fn in jobs:
