@@ -97,6 +97,7 @@ class Preset:
     # Per-frame / per-image pixel bounds of the processors (multiples of 28*28).
     min_pixels: int = 4 * 28 * 28
     max_pixels: int = 256 * 28 * 28
+    dtype: str = "float32"  # weights as saved (tests compare in fp32; the 3b preset is saved in bf16)
     extra: dict = field(default_factory=dict)
 
 
@@ -111,6 +112,16 @@ PRESETS: dict[str, Preset] = {
                         num_attention_heads=8, num_key_value_heads=2, mrope_section=(8, 12, 12)),
         vision=VisionPreset(depth=4, hidden_size=256, intermediate_size=512, num_heads=4,
                             fullatt_block_indexes=(1, 3)),
+    ),
+    # Qwen2.5-VL-3B's shapes (LLM and vision tower; our small tokenizer instead of the 151k vocabulary), for the GPU
+    # benchmark script. ~3.5 B parameters: build it on the machine that runs it (benchmarks/gpu_h200.sh).
+    "3b": Preset(
+        text=TextPreset(vocab_size=4096, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                        num_attention_heads=16, num_key_value_heads=2, mrope_section=(16, 24, 24)),
+        vision=VisionPreset(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                            fullatt_block_indexes=(7, 15, 23, 31)),
+        max_pixels=768 * 28 * 28,
+        dtype="bfloat16",
     ),
 }
 
@@ -233,7 +244,7 @@ def _build_qwen2_5_vl(out_dir: Path, preset: Preset, seed: int) -> None:
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(getattr(torch, preset.dtype))
     model.generation_config = GenerationConfig(
         bos_token_id=ids[ENDOFTEXT], eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT],
     )
