@@ -71,16 +71,18 @@ class Timeline:
         except ImportError:
             return None
         origin = self._origin or 0.0
-        lanes = ["decode", "prefix", "score", "train"]
+        lanes = ["step", "decode", "prefix"]
         lanes += sorted({s.lane for s in self.spans} - set(lanes))
         lanes = [lane for lane in lanes if any(s.lane == lane for s in self.spans)]
-        colours = {"decode": "tab:blue", "prefix": "tab:orange", "score": "tab:green", "train": "tab:red"}
+        colours = {"decode": "tab:blue", "prefix": "tab:orange", "step": "tab:gray"}
         fig, ax = plt.subplots(figsize=(11, 1.0 + 0.6 * len(lanes)))
         for s in self.spans:
             y = lanes.index(s.lane)
             ax.barh(y, s.seconds, left=s.start - origin, height=0.6, color=colours.get(s.lane, "tab:gray"),
                     edgecolor="black", linewidth=0.3)
-        ax.set_yticks(range(len(lanes)), lanes)
+        labels = {"step": "training micro-step\n(rollout included)", "decode": "rollout decode",
+                  "prefix": "prefix jobs"}
+        ax.set_yticks(range(len(lanes)), [labels.get(lane, lane) for lane in lanes])
         ax.invert_yaxis()
         ax.set_xlabel("seconds since the first rollout")
         ax.set_title(title)

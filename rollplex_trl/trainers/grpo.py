@@ -302,7 +302,7 @@ class RollplexGRPOTrainer(OverlapMixin, GRPOTrainer):
             self._window_steps_left -= 1
             if self._window_steps_left == 0:
                 self._finish_actor_prefix()
-        self.timeline.add(Span("micro-step", "train", start, time.perf_counter()))
+        self.timeline.add(Span("micro-step", "step", start, time.perf_counter()))  # includes the rollout
         if self.overlap_executor is not None and self._step % self.current_gradient_accumulation_steps == 0:
             self.overlap_executor.assert_idle()  # barrier 3: the optimizer step follows
         return output
