@@ -45,6 +45,10 @@ def _saved_bytes(fn) -> int:
     return sum(seen.values())
 
 
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def _median_time(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -79,13 +83,25 @@ def _trainer(model_path, dataset, tmp: Path, share: str, G: int, C: int, args):
                                train_dataset=dataset)
 
 
-def _measure(trainer, args) -> dict:
-    """Whole-step time from training, then the reference and actor passes on one fixed generation batch."""
-    trainer.train()
-    steps = [r["step_time"] for r in trainer.state.log_history if "step_time" in r][1:]  # drop the warm-up step
+def _measure(trainer, args, C: int) -> dict:
+    """Whole-step time from training (skipped for completions longer than --max-step-completion: decoding them
+    on a CPU takes too long), then the reference and actor passes on one batch whose completions are random
+    tokens of length exactly C (the passes' cost does not depend on which tokens they score)."""
+    steps = []
+    if C <= args.max_step_completion:
+        trainer.train()
+        steps = [r["step_time"] for r in trainer.state.log_history if "step_time" in r][1:]  # drop the warm-up step
     trainer.model.train()
     G = trainer.num_generations
+    short = trainer.max_completion_length
+    trainer.max_completion_length = min(C, 4)  # a quick rollout just to get TRL's batch layout
+    trainer.generation_config.max_new_tokens = trainer.max_completion_length
+    trainer.generation_config.min_new_tokens = None
     batch = trainer._generate_and_score_completions([trainer.train_dataset[i // G] for i in range(G * args.prompts)])
+    trainer.max_completion_length = short
+    gen = torch.Generator().manual_seed(0)
+    batch["completion_ids"] = torch.randint(100, 500, (batch["prompt_ids"].size(0), C), generator=gen)
+    batch["completion_mask"] = torch.ones_like(batch["completion_ids"])
     rows = batch["rollplex_prompt"]
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
@@ -108,7 +124,7 @@ def _measure(trainer, args) -> dict:
         "P": int(batch["prompt_mask"].sum(1).float().mean()), "C": C,
         "prompt_share": float(batch["prompt_mask"].sum()
                               / (batch["prompt_mask"].sum() + batch["completion_mask"].sum())),
-        "step_s": statistics.median(steps) if steps else float("nan"),
+        "step_s": statistics.median(steps) if steps else None,
         "ref_s": _median_time(ref_pass, args.repeats),
         "actor_s": _median_time(actor_pass, args.repeats),
     }
@@ -133,6 +149,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="G=8 and ~90%% share only")
+    parser.add_argument("--low-share", action="store_true", help="also G=8 at ~10%% prompt share (passes only)")
+    parser.add_argument("--max-step-completion", type=int, default=256,
+                        help="measure the whole step only up to this completion length")
     parser.add_argument("--out", default="benchmarks/results/shared_prefix.json")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -153,28 +172,30 @@ def main() -> None:
         args.generations, lengths = [8], [max(2, round(P / 9))]
     else:
         lengths = args.completion_lengths or [max(2, round(P * (1 - s) / s)) for s in (0.95, 0.8, 0.5)]
+    grid = [(G, C) for G in args.generations for C in lengths]
+    if args.low_share:
+        grid.append((8, round(P * 9)))
     rows = []
-    for G in args.generations:
-        for C in lengths:
-            measured = {}
-            for share in ("off", "auto"):
-                torch.manual_seed(0)
-                measured[share] = _measure(_trainer(model_path, dataset, tmp, share, G, C, args), args)
-            serial, shared = measured["off"], measured["auto"]
-            row = {"G": G, "C": C, "P": serial["P"], "prompt_share": serial["prompt_share"],
-                   "serial": serial, "shared": shared,
-                   "ratio_ref": serial["ref_s"] / shared["ref_s"],
-                   "ratio_actor": serial["actor_s"] / shared["actor_s"],
-                   "ratio_ref_plus_actor": (serial["ref_s"] + serial["actor_s"])
-                   / (shared["ref_s"] + shared["actor_s"]),
-                   "ratio_step": serial["step_s"] / shared["step_s"],
-                   "actor_saved_bytes_ratio": shared["actor_saved_bytes"] / serial["actor_saved_bytes"]}
-            rows.append(row)
-            print(f"G={G:>2} P={row['P']:>4} C={C:>4} share={row['prompt_share']:.0%}  "
-                  f"ref {serial['ref_s']:.3f}/{shared['ref_s']:.3f}s ({row['ratio_ref']:.2f}x)  "
-                  f"actor {serial['actor_s']:.3f}/{shared['actor_s']:.3f}s ({row['ratio_actor']:.2f}x)  "
-                  f"step {serial['step_s']:.2f}/{shared['step_s']:.2f}s ({row['ratio_step']:.2f}x)  "
-                  f"actor saved bytes x{row['actor_saved_bytes_ratio']:.2f}", flush=True)
+    for G, C in grid:
+        measured = {}
+        for share in ("off", "auto"):
+            torch.manual_seed(0)
+            measured[share] = _measure(_trainer(model_path, dataset, tmp, share, G, C, args), args, C)
+        serial, shared = measured["off"], measured["auto"]
+        row = {"G": G, "C": C, "P": serial["P"], "prompt_share": serial["prompt_share"],
+               "serial": serial, "shared": shared,
+               "ratio_ref": serial["ref_s"] / shared["ref_s"],
+               "ratio_actor": serial["actor_s"] / shared["actor_s"],
+               "ratio_ref_plus_actor": (serial["ref_s"] + serial["actor_s"])
+               / (shared["ref_s"] + shared["actor_s"]),
+               "ratio_step": serial["step_s"] / shared["step_s"] if serial["step_s"] else None,
+               "actor_saved_bytes_ratio": shared["actor_saved_bytes"] / serial["actor_saved_bytes"]}
+        rows.append(row)
+        print(f"G={G:>2} P={row['P']:>4} C={C:>4} share={row['prompt_share']:.0%}  "
+              f"ref {serial['ref_s']:.3f}/{shared['ref_s']:.3f}s ({row['ratio_ref']:.2f}x)  "
+              f"actor {serial['actor_s']:.3f}/{shared['actor_s']:.3f}s ({row['ratio_actor']:.2f}x)  "
+              f"step {_fmt(serial['step_s'])}/{_fmt(shared['step_s'])}s ({_fmt(row['ratio_step'])}x)  "
+              f"actor saved bytes x{row['actor_saved_bytes_ratio']:.2f}", flush=True)
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -189,8 +210,8 @@ def main() -> None:
     for r in rows:
         s, h = r["serial"], r["shared"]
         print(f"| {r['G']} | {r['P']} | {r['C']} | {r['prompt_share']:.0%} | {s['ref_s'] + s['actor_s']:.3f} | "
-              f"{h['ref_s'] + h['actor_s']:.3f} | {r['ratio_ref_plus_actor']:.2f}x | {s['step_s']:.2f} | "
-              f"{h['step_s']:.2f} | {r['ratio_step']:.2f}x | {r['actor_saved_bytes_ratio']:.2f} |")
+              f"{h['ref_s'] + h['actor_s']:.3f} | {r['ratio_ref_plus_actor']:.2f}x | {_fmt(s['step_s'])} | "
+              f"{_fmt(h['step_s'])} | {_fmt(r['ratio_step'])}x | {r['actor_saved_bytes_ratio']:.2f} |")
     print(f"\nwrote {out}")
 
 

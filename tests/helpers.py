@@ -4,26 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import av
 import numpy as np
 import torch
 
 
 def write_mp4(path: Path, num_frames: int, height: int, width: int, fps: int = 4, seed: int = 0) -> Path:
-    """Write a real H.264/MPEG-4 clip of smooth random colour blocks (compressible, but not constant)."""
+    """Write a real MP4 clip of smooth random colour blocks (compressible, but not constant)."""
+    from rollplex_trl.data.synthetic import write_mp4 as encode
+
     rng = np.random.default_rng(seed)
-    codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+    base = rng.integers(0, 255, (height // 8 + 1, width // 8 + 1, 3), dtype=np.uint8)
+    frames = np.stack([np.kron(np.roll(base, i, axis=1), np.ones((8, 8, 1), dtype=np.uint8))[:height, :width]
+                       for i in range(num_frames)])
     path.parent.mkdir(parents=True, exist_ok=True)
-    with av.open(str(path), mode="w") as container:
-        stream = container.add_stream(codec, rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        base = rng.integers(0, 255, (height // 8 + 1, width // 8 + 1, 3), dtype=np.uint8)
-        for i in range(num_frames):
-            frame = np.kron(np.roll(base, i, axis=1), np.ones((8, 8, 1), dtype=np.uint8))[:height, :width]
-            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
+    encode(path, np.ascontiguousarray(frames), fps)
     return path
 
 
