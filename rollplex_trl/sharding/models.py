@@ -1,0 +1,336 @@
+"""Parameter kinds of Qwen2 and Qwen2.5-VL, declared once for HF, Megatron-Core and vLLM; and model enumeration.
+
+The table below is the only model-specific knowledge in the planner: for every parameter kind, the HF tensors it is
+made of and one :class:`~rollplex_trl.sharding.layouts.ShardSpec` per framework. Layer counts, shapes and head
+counts come from the model itself (built on the meta device from its config, so no weights are needed), and every
+tensor of every layer is matched to a kind by its HF name. A tensor that no kind claims is an error, so a new
+architecture fails loudly instead of being planned wrongly.
+
+Conventions (sources: notes/weight-layouts.md):
+- Megatron-Core: per-query-group interleaved ``linear_qkv``; ``linear_fc1`` is ``[gate_k; up_k]`` per rank; row
+  split for ``linear_proj`` / ``linear_fc2``; optional vocabulary padding (Megatron-LM's
+  ``make_vocab_size_divisible_by * tp``). The vision tower is either replicated with HF names (Megatron-Bridge,
+  ROLL) or sharded like the LLM with per-head interleaved QKV (verl / mbridge).
+- vLLM: ``qkv_proj`` is ``[q_j; k_j; v_j]`` per rank with KV heads replicated when r exceeds them; ``gate_up_proj``
+  is ``[gate_j; up_j]``; vocabulary padded to a multiple of 64; the vision tower is TP-sharded
+  (``mm_encoder_tp_mode="weights"``) or replicated (``"data"``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from rollplex_trl.sharding.layouts import Concat, GroupInterleave, LayoutError, PerRank, ShardSpec, Source
+
+LLM_LAYER = r"model\.(?:language_model\.)?layers\.\d+\."
+LLM_TOP = r"model\.(?:language_model\.)?"
+VIT_BLOCK = r"model\.visual\.blocks\.\d+\."
+VIT_TOP = r"model\.visual\."
+
+Q, K, V = Source("q", "head_dim"), Source("k", "head_dim"), Source("v", "head_dim")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One parameter kind: its HF sources (suffixes under a prefix matching ``scope``) and its two layouts."""
+
+    key: str
+    scope: str
+    sources: tuple[Source, ...]
+    megatron: tuple[ShardSpec, ...]
+    vllm: tuple[ShardSpec, ...]
+    tower: str = "llm"  # "vision": the vision tower's TP mode is switchable in both frameworks
+
+
+def _src(suffix: str, unit: str | None = None) -> Source:
+    return Source(suffix, unit)
+
+
+def _qkv_sources(fmt: str) -> tuple[Source, ...]:
+    return tuple(Source(fmt.format(x), "head_dim") for x in "qkv")
+
+
+def _fused_qkv(suffix: str) -> tuple[Source, ...]:
+    return tuple(Source(suffix, "head_dim", (i, 3)) for i in range(3))
+
+
+COL, ROW = 0, 1
+QKV_MEGATRON = GroupInterleave()
+QKV_VLLM = PerRank(replicate=True)
+GATE_UP = PerRank()
+
+KINDS: tuple[Kind, ...] = (
+    # ---- LLM decoder layer ----
+    Kind("llm.qkv.weight", LLM_LAYER, _qkv_sources("self_attn.{}_proj.weight"),
+         (ShardSpec("self_attention.linear_qkv.weight", (0, 1, 2), QKV_MEGATRON, COL),),
+         (ShardSpec("self_attn.qkv_proj.weight", (0, 1, 2), QKV_VLLM, COL),)),
+    Kind("llm.qkv.bias", LLM_LAYER, _qkv_sources("self_attn.{}_proj.bias"),
+         (ShardSpec("self_attention.linear_qkv.bias", (0, 1, 2), QKV_MEGATRON, COL),),
+         (ShardSpec("self_attn.qkv_proj.bias", (0, 1, 2), QKV_VLLM, COL),)),
+    Kind("llm.o.weight", LLM_LAYER, (_src("self_attn.o_proj.weight"),),
+         (ShardSpec("self_attention.linear_proj.weight", (0,), Concat(), ROW),),
+         (ShardSpec("self_attn.o_proj.weight", (0,), Concat(), ROW),)),
+    Kind("llm.gate_up.weight", LLM_LAYER, (_src("mlp.gate_proj.weight"), _src("mlp.up_proj.weight")),
+         (ShardSpec("mlp.linear_fc1.weight", (0, 1), GATE_UP, COL),),
+         (ShardSpec("mlp.gate_up_proj.weight", (0, 1), GATE_UP, COL),)),
+    Kind("llm.down.weight", LLM_LAYER, (_src("mlp.down_proj.weight"),),
+         (ShardSpec("mlp.linear_fc2.weight", (0,), Concat(), ROW),),
+         (ShardSpec("mlp.down_proj.weight", (0,), Concat(), ROW),)),
+    Kind("llm.input_norm", LLM_LAYER, (_src("input_layernorm.weight"),),
+         (ShardSpec("input_layernorm.weight", (0,)),), (ShardSpec("input_layernorm.weight", (0,)),)),
+    Kind("llm.post_norm", LLM_LAYER, (_src("post_attention_layernorm.weight"),),
+         (ShardSpec("pre_mlp_layernorm.weight", (0,)),), (ShardSpec("post_attention_layernorm.weight", (0,)),)),
+    # ---- LLM embedding, final norm, LM head ----
+    Kind("llm.embed", LLM_TOP, (_src("embed_tokens.weight"),),
+         (ShardSpec("embedding.word_embeddings.weight", (0,), Concat(), COL, vocab=True),),
+         (ShardSpec("embed_tokens.weight", (0,), Concat(), COL, vocab=True),)),
+    Kind("llm.final_norm", LLM_TOP, (_src("norm.weight"),),
+         (ShardSpec("decoder.final_layernorm.weight", (0,)),), (ShardSpec("norm.weight", (0,)),)),
+    Kind("llm.lm_head", "", (_src("lm_head.weight"),),
+         (ShardSpec("output_layer.weight", (0,), Concat(), COL, vocab=True),),
+         (ShardSpec("lm_head.weight", (0,), Concat(), COL, vocab=True),)),
+    # ---- vision blocks (Megatron side: the sharded, Megatron-native tower; see vision modes) ----
+    Kind("vit.qkv.weight", VIT_BLOCK, _fused_qkv("attn.qkv.weight"),
+         (ShardSpec("self_attention.linear_qkv.weight", (0, 1, 2), QKV_MEGATRON, COL),),
+         (ShardSpec("attn.qkv.weight", (0, 1, 2), QKV_VLLM, COL),), "vision"),
+    Kind("vit.qkv.bias", VIT_BLOCK, _fused_qkv("attn.qkv.bias"),
+         (ShardSpec("self_attention.linear_qkv.bias", (0, 1, 2), QKV_MEGATRON, COL),),
+         (ShardSpec("attn.qkv.bias", (0, 1, 2), QKV_VLLM, COL),), "vision"),
+    Kind("vit.proj.weight", VIT_BLOCK, (_src("attn.proj.weight"),),
+         (ShardSpec("self_attention.linear_proj.weight", (0,), Concat(), ROW),),
+         (ShardSpec("attn.proj.weight", (0,), Concat(), ROW),), "vision"),
+    Kind("vit.proj.bias", VIT_BLOCK, (_src("attn.proj.bias"),),
+         (ShardSpec("self_attention.linear_proj.bias", (0,)),), (ShardSpec("attn.proj.bias", (0,)),), "vision"),
+    Kind("vit.gate_up.weight", VIT_BLOCK, (_src("mlp.gate_proj.weight"), _src("mlp.up_proj.weight")),
+         (ShardSpec("mlp.linear_fc1.weight", (0, 1), GATE_UP, COL),),
+         (ShardSpec("mlp.gate_up_proj.weight", (0, 1), GATE_UP, COL),), "vision"),
+    Kind("vit.gate_up.bias", VIT_BLOCK, (_src("mlp.gate_proj.bias"), _src("mlp.up_proj.bias")),
+         (ShardSpec("mlp.linear_fc1.bias", (0, 1), GATE_UP, COL),),
+         (ShardSpec("mlp.gate_up_proj.bias", (0, 1), GATE_UP, COL),), "vision"),
+    Kind("vit.down.weight", VIT_BLOCK, (_src("mlp.down_proj.weight"),),
+         (ShardSpec("mlp.linear_fc2.weight", (0,), Concat(), ROW),),
+         (ShardSpec("mlp.down_proj.weight", (0,), Concat(), ROW),), "vision"),
+    Kind("vit.down.bias", VIT_BLOCK, (_src("mlp.down_proj.bias"),),
+         (ShardSpec("mlp.linear_fc2.bias", (0,)),), (ShardSpec("mlp.down_proj.bias", (0,)),), "vision"),
+    Kind("vit.norm1", VIT_BLOCK, (_src("norm1.weight"),),
+         (ShardSpec("input_layernorm.weight", (0,)),), (ShardSpec("norm1.weight", (0,)),), "vision"),
+    Kind("vit.norm2", VIT_BLOCK, (_src("norm2.weight"),),
+         (ShardSpec("pre_mlp_layernorm.weight", (0,)),), (ShardSpec("norm2.weight", (0,)),), "vision"),
+    # ---- vision patch embedding and merger ----
+    Kind("vit.patch_embed", VIT_TOP, (_src("patch_embed.proj.weight"),),
+         (ShardSpec("patch_embed.proj.weight", (0,)),), (ShardSpec("patch_embed.proj.weight", (0,)),), "vision"),
+    Kind("merger.ln_q", VIT_TOP, (_src("merger.ln_q.weight"),),
+         (ShardSpec("decoder.final_layernorm.weight", (0,)),), (ShardSpec("merger.ln_q.weight", (0,)),), "vision"),
+    Kind("merger.fc1.weight", VIT_TOP, (_src("merger.mlp.0.weight"),),
+         (ShardSpec("projection.encoder.linear_fc1.weight", (0,), Concat(), COL),),
+         (ShardSpec("merger.mlp.0.weight", (0,), Concat(), COL),), "vision"),
+    Kind("merger.fc1.bias", VIT_TOP, (_src("merger.mlp.0.bias"),),
+         (ShardSpec("projection.encoder.linear_fc1.bias", (0,), Concat(), COL),),
+         (ShardSpec("merger.mlp.0.bias", (0,), Concat(), COL),), "vision"),
+    Kind("merger.fc2.weight", VIT_TOP, (_src("merger.mlp.2.weight"),),
+         (ShardSpec("projection.encoder.linear_fc2.weight", (0,), Concat(), ROW),),
+         (ShardSpec("merger.mlp.2.weight", (0,), Concat(), ROW),), "vision"),
+    Kind("merger.fc2.bias", VIT_TOP, (_src("merger.mlp.2.bias"),),
+         (ShardSpec("projection.encoder.linear_fc2.bias", (0,)),), (ShardSpec("merger.mlp.2.bias", (0,)),),
+         "vision"),
+)
+
+_MEGATRON_PREFIX = [
+    (r"model\.language_model\.layers\.(\d+)\.", r"language_model.decoder.layers.\1."),
+    (r"model\.layers\.(\d+)\.", r"decoder.layers.\1."),
+    (r"model\.language_model\.", "language_model."),
+    (r"model\.visual\.blocks\.(\d+)\.", r"vision_model.decoder.layers.\1."),
+    (r"model\.visual\.", "vision_model."),
+    (r"model\.", ""),
+]
+_VLLM_PREFIX = [
+    (r"model\.language_model\.", "language_model.model."),
+    (r"model\.visual\.", "visual."),
+    (r"model\.", "model."),
+]
+
+
+def _map_prefix(prefix: str, rules: list[tuple[str, str]], top: str) -> str:
+    for pattern, repl in rules:
+        if m := re.match(pattern, prefix):
+            return m.expand(repl) + prefix[m.end():]
+    return top if prefix == "" else prefix
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """One instance of a kind in a model (e.g. layer 7's QKV): its HF tensors' 2-D shapes and head sizes."""
+
+    kind: Kind
+    prefix: str
+    hf_names: tuple[str, ...]  # per source (a fused HF tensor appears once per part)
+    shapes: tuple[tuple[int, int], ...]  # per source, flattened to (rows, cols); 1-D tensors are (n, 1)
+    units: tuple[int, ...]  # per source, rows per indivisible unit
+    one_dim: bool  # the sources are 1-D (biases, norms)
+    is_vl: bool
+
+    @property
+    def signature(self) -> tuple:
+        """Groups with equal signatures have identical layouts (all decoder layers of one model do)."""
+        return (self.kind.key, self.shapes, self.units)
+
+    @cached_property
+    def source_rows(self) -> list[np.ndarray]:
+        """Row ids of each source in V (the sources stacked along dim 0, in the kind's order)."""
+        out, start = [], 0
+        for rows, _ in self.shapes:
+            out.append(np.arange(start, start + rows))
+            start += rows
+        return out
+
+    @property
+    def num_cols(self) -> int:
+        return self.shapes[0][1]
+
+    @property
+    def numel(self) -> int:
+        return sum(r * c for r, c in self.shapes)
+
+    def megatron_name(self, spec: ShardSpec, replicated_hf: bool = False) -> str:
+        if replicated_hf:
+            return spec.name
+        top = "language_model." if self.is_vl else ""
+        return _map_prefix(self.prefix, _MEGATRON_PREFIX, top) + spec.name
+
+    def vllm_name(self, spec: ShardSpec) -> str:
+        top = "language_model." if self.is_vl else ""
+        return _map_prefix(self.prefix, _VLLM_PREFIX, top) + spec.name
+
+
+@dataclass
+class ModelSpec:
+    """A model as the planner sees it: its parameter groups (shapes only) and its name."""
+
+    name: str
+    groups: list[ParamGroup]
+    is_vl: bool
+    config: object = field(repr=False, default=None)
+
+    @property
+    def numel(self) -> int:
+        return sum(g.numel for g in self.groups)
+
+
+def _head_dims(config) -> dict[str, int]:
+    text = getattr(config, "text_config", config)
+    llm = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    dims = {"llm": llm}
+    vision = getattr(config, "vision_config", None)
+    if vision is not None:
+        dims["vision"] = vision.hidden_size // vision.num_heads
+    return dims
+
+
+def model_spec_from_config(config, name: str | None = None) -> ModelSpec:
+    """Enumerate a Qwen2 / Qwen2.5-VL model's parameters from its config (model built on the meta device)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2_5_VLForConditionalGeneration
+
+    is_vl = getattr(config, "model_type", "") == "qwen2_5_vl"
+    with torch.device("meta"):
+        model = (Qwen2_5_VLForConditionalGeneration(config) if is_vl
+                 else AutoModelForCausalLM.from_config(config))
+    # named_parameters() skips tied duplicates, so a tied LM head is simply absent (vLLM ties it too).
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    return ModelSpec(name or getattr(config, "_name_or_path", "") or config.model_type,
+                     groups_from_shapes(shapes, _head_dims(config), is_vl), is_vl, config)
+
+
+def groups_from_shapes(shapes: dict[str, tuple[int, ...]], head_dims: dict[str, int],
+                       is_vl: bool) -> list[ParamGroup]:
+    """Match every HF tensor to exactly one parameter kind; raise if one is left over."""
+    groups, claimed = [], set()
+    for name in shapes:
+        for kind in KINDS:
+            first = kind.sources[0]
+            if not name.endswith(first.suffix) or first.part[0] != 0:
+                continue
+            prefix = name[: len(name) - len(first.suffix)]
+            if not re.fullmatch(kind.scope, prefix):
+                continue
+            names = tuple(prefix + s.suffix for s in kind.sources)
+            if any(n not in shapes for n in names):
+                continue
+            flat, units = [], []
+            for s, n in zip(kind.sources, names):
+                shape = shapes[n]
+                rows, cols = shape[0], int(np.prod(shape[1:])) if len(shape) > 1 else 1
+                index, count = s.part
+                if rows % count:
+                    raise LayoutError(f"{n}: {rows} rows cannot be cut into {count} equal parts")
+                flat.append((rows // count, cols))
+                units.append(head_dims[kind.tower] if s.unit == "head_dim" else 1)
+            groups.append(ParamGroup(kind, prefix, names, tuple(flat), tuple(units),
+                                     len(shapes[names[0]]) == 1, is_vl))
+            claimed.update(names)
+    missing = [n for n in shapes if n not in claimed]
+    if missing:
+        raise LayoutError(f"no sharding layout for {len(missing)} parameter(s), e.g. {missing[:3]}; "
+                          "add a Kind to rollplex_trl/sharding/models.py")
+    return groups
+
+
+# Real Qwen2.5-VL configs (the released config.json values). Qwen2.5-VL-32B has 40 query heads (not 64: that is
+# the 72B model), and the 3B/7B vision MLP is 3420 wide (32B/72B: 3456), as notes/weight-layouts.md checks.
+PRESETS: dict[str, dict] = {
+    "Qwen2.5-VL-3B": dict(text=dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16,
+                                     num_key_value_heads=2, intermediate_size=11008, vocab_size=151936),
+                          tie=True, vision=dict(intermediate_size=3420, out_hidden_size=2048)),
+    "Qwen2.5-VL-7B": dict(text=dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                                     num_key_value_heads=4, intermediate_size=18944, vocab_size=152064),
+                          tie=False, vision=dict(intermediate_size=3420, out_hidden_size=3584)),
+    "Qwen2.5-VL-32B": dict(text=dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
+                                      num_key_value_heads=8, intermediate_size=27648, vocab_size=152064),
+                           tie=False, vision=dict(intermediate_size=3456, out_hidden_size=5120)),
+    "Qwen2.5-VL-72B": dict(text=dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                                      num_key_value_heads=8, intermediate_size=29568, vocab_size=152064),
+                           tie=False, vision=dict(intermediate_size=3456, out_hidden_size=8192)),
+}
+_VISION_COMMON = dict(depth=32, hidden_size=1280, num_heads=16, patch_size=14, temporal_patch_size=2,
+                      in_channels=3, spatial_merge_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
+
+
+def preset_config(name: str):
+    """A ``Qwen2_5_VLConfig`` for one of :data:`PRESETS` (case-insensitive, "Qwen/" prefix and "-Instruct" ok)."""
+    from transformers import Qwen2_5_VLConfig
+
+    key = name.split("/")[-1].removesuffix("-Instruct").lower()
+    match = {k.lower(): k for k in PRESETS}.get(key)
+    if match is None:
+        raise KeyError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)} (or pass a config.json path)")
+    p = PRESETS[match]
+    text = dict(p["text"], tie_word_embeddings=p["tie"], rms_norm_eps=1e-6, max_position_embeddings=128000)
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=dict(_VISION_COMMON, **p["vision"]),
+                              tie_word_embeddings=p["tie"])
+    config._name_or_path = f"Qwen/{match}-Instruct"
+    return config
+
+
+def load_model_spec(name_or_path: str) -> ModelSpec:
+    """A preset name, a config.json file, or a directory holding one."""
+    from pathlib import Path
+
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        import json
+
+        from transformers import AutoConfig
+
+        values = json.loads(path.read_text())
+        if "model_type" not in values:
+            raise LayoutError(f"{path}: no 'model_type' in this config; expected a Hugging Face config.json")
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+        return model_spec_from_config(config, name=str(name_or_path))
+    config = preset_config(name_or_path)
+    return model_spec_from_config(config, name=config._name_or_path)
