@@ -150,7 +150,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="G=8 and ~90%% share only")
     parser.add_argument("--low-share", action="store_true", help="also G=8 at ~10%% prompt share (passes only)")
-    parser.add_argument("--max-step-completion", type=int, default=256,
+    parser.add_argument("--max-step-completion", type=int, default=320,
                         help="measure the whole step only up to this completion length")
     parser.add_argument("--out", default="benchmarks/results/shared_prefix.json")
     args = parser.parse_args()

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# Set up the environment and run the default test suite (slow tests excluded; `-m slow` runs them).
+# Set up the environments and run every test tier: ruff + the main pytest suite (slow tests excluded; `-m slow`
+# runs them), then the vLLM CPU tier in its own environment (scripts/test_vllm.sh; ROLLPLEX_SKIP_VLLM=1 skips it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 .venv/bin/python -m ruff check .
-exec .venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q "$@"
+if [ "${ROLLPLEX_SKIP_VLLM:-0}" != "1" ]; then
+  echo "== vLLM CPU tier (scripts/test_vllm.sh) =="
+  bash scripts/test_vllm.sh
+fi

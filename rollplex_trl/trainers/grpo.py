@@ -51,6 +51,7 @@ from rollplex_trl.prefix import backward_prefix, detach_prefix, suffix_logps
 from rollplex_trl.prefix.batch import ActorPrefix, group_by_prompt, rows_to_prompts, run_prefix, shared_prefix_logps
 from rollplex_trl.prefix.generation import shared_prefill
 from rollplex_trl.trainers.overlap import OverlapMixin
+from rollplex_trl.trainers.vllm import VLLMEngineMixin  # vLLM engine (rollout/)
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ _TRL_VISION_KWARGS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", 
                       "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
-class RollplexGRPOTrainer(OverlapMixin, GRPOTrainer):
+class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, GRPOTrainer):  # vLLM engine (rollout/): VLLMEngineMixin
     """Drop-in replacement for `trl.GRPOTrainer` that also trains on video (Qwen2.5-VL).
 
     Use it like `GRPOTrainer`; configure it with `RollplexGRPOConfig` (a `GRPOConfig` subclass; a plain

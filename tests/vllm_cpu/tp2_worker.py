@@ -1,0 +1,39 @@
+"""One rank of the TP = 2 check, launched by test_vllm_tp2.py under torchrun (vLLM's external_launcher backend).
+
+Both ranks hold the full trainer model (as data-parallel trainer ranks do), take the same optimizer step, sync into
+their vLLM shard (q/k/v heads, gate/up rows, o/down columns and vocabulary rows of this rank) and check vLLM's
+log-probs against the trainer's. Prints one JSON line per rank.
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+
+def main(checkpoint: str) -> None:
+    sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "..", "..")]
+    import conftest  # noqa: F401  (imports rollplex_trl without torchvision, as the tests do)
+    from transformers import AutoModelForCausalLM
+    from vllm_helpers import SEQUENCES, max_gap, optimizer_step
+
+    from rollplex_trl.rollout.vllm_engine import VLLMColocateEngine, VLLMEngineConfig
+
+    engine = VLLMColocateEngine(VLLMEngineConfig(model=checkpoint, dtype="float32", enforce_eager=True,
+                                                 tensor_parallel_size=2, max_model_len=256, max_num_seqs=8,
+                                                 seed=0))
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    engine.sync_weights(model, version=0)
+    before_step = max_gap(engine, model, SEQUENCES)
+    optimizer_step(model, seed=11)
+    stale = max_gap(engine, model, SEQUENCES)
+    metrics = engine.sync_weights(model, version=1)
+    after = max_gap(engine, model, SEQUENCES)
+    print(json.dumps({"rank": int(os.environ["RANK"]), "before_step": before_step, "stale": stale, "after": after,
+                      "bytes": metrics["rollplex/weight_sync_bytes"], "seconds": metrics["rollplex/weight_sync_s"],
+                      "aliased": engine.weight_sync.aliased_names}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
