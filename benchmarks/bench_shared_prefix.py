@@ -45,6 +45,16 @@ def _saved_bytes(fn) -> int:
     return sum(seen.values())
 
 
+def _write(path: str, args, rows: list[dict]) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"preset": args.preset, "frames": args.frames, "size": args.size, "prompts_per_step": args.prompts,
+            "steps": args.steps, "repeats": args.repeats, "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    return out
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -191,18 +201,14 @@ def main() -> None:
                "ratio_step": serial["step_s"] / shared["step_s"] if serial["step_s"] else None,
                "actor_saved_bytes_ratio": shared["actor_saved_bytes"] / serial["actor_saved_bytes"]}
         rows.append(row)
+        _write(args.out, args, rows)
         print(f"G={G:>2} P={row['P']:>4} C={C:>4} share={row['prompt_share']:.0%}  "
               f"ref {serial['ref_s']:.3f}/{shared['ref_s']:.3f}s ({row['ratio_ref']:.2f}x)  "
               f"actor {serial['actor_s']:.3f}/{shared['actor_s']:.3f}s ({row['ratio_actor']:.2f}x)  "
               f"step {_fmt(serial['step_s'])}/{_fmt(shared['step_s'])}s ({_fmt(row['ratio_step'])}x)  "
               f"actor saved bytes x{row['actor_saved_bytes_ratio']:.2f}", flush=True)
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"preset": args.preset, "frames": args.frames, "size": args.size, "prompts_per_step": args.prompts,
-            "steps": args.steps, "repeats": args.repeats, "device": "cuda" if torch.cuda.is_available() else "cpu",
-            "threads": torch.get_num_threads(), "torch": torch.__version__}
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    out = _write(args.out, args, rows)
     print()
     print("| G | P | C | prompt share | ref+actor serial (s) | ref+actor shared (s) | ratio | step serial (s) | "
           "step shared (s) | ratio | actor saved bytes shared/serial |")
