@@ -21,6 +21,17 @@ def write_mp4(path: Path, num_frames: int, height: int, width: int, fps: int = 4
     return path
 
 
+def video_rows(folder: Path, question=lambda i: f"Question {i}?" * (i + 1)) -> list[dict]:
+    """Four video prompts with clips of different sizes and lengths (different visual token counts)."""
+    rows = []
+    for i, (h, w, n) in enumerate([(56, 56, 8), (56, 84, 12), (84, 56, 8), (56, 56, 16)]):
+        clip = write_mp4(folder / f"clip{i}.mp4", num_frames=n, height=h, width=w, fps=4, seed=i)
+        rows.append({"problem_id": i, "video": str(clip),
+                     "prompt": [{"role": "user", "content": [{"type": "video"}, {"type": "text",
+                                                                                 "text": question(i)}]}]})
+    return rows
+
+
 def reference_logps(model, processor, rows: list[dict], completion_ids: torch.Tensor,
                     completion_mask: torch.Tensor, pad_id: int, temperature: float = 1.0,
                     drop_vision: bool = False) -> torch.Tensor:

@@ -13,7 +13,7 @@ import rollplex_trl.trainers.overlap as overlap_module
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 from rollplex_trl.executor import OverlapError, OverlapExecutor
 
-from helpers import write_mp4
+from helpers import video_rows
 
 
 class RecordingReward:
@@ -41,12 +41,7 @@ def _config(tmp_path, overlap, **overrides):
 
 @pytest.fixture()
 def video_dataset(tmp_path):
-    rows = []
-    for i, (h, w, n) in enumerate([(56, 56, 8), (56, 84, 12), (84, 56, 8), (56, 56, 16)]):
-        clip = write_mp4(tmp_path / f"clip{i}.mp4", num_frames=n, height=h, width=w, fps=4, seed=i)
-        rows.append({"problem_id": i, "video": str(clip),
-                     "prompt": [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Q" * i}]}]})
-    return Dataset.from_list(rows)
+    return Dataset.from_list(video_rows(tmp_path, lambda i: "Q" * i))
 
 
 def _train(model, dataset, tmp_path, overlap, peft_config=None, **overrides):

@@ -11,7 +11,7 @@ from datasets import Dataset
 
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 
-from helpers import write_mp4
+from helpers import video_rows
 
 KEYS = ("loss", "reward", "kl", "grad_norm", "entropy")
 
@@ -54,13 +54,7 @@ def _assert_equivalent(on, off, steps=5):
 
 @pytest.fixture()
 def video_dataset(tmp_path):
-    rows = []
-    for i, (h, w, n) in enumerate([(56, 56, 8), (56, 84, 12), (84, 56, 8), (56, 56, 16)]):
-        clip = write_mp4(tmp_path / f"clip{i}.mp4", num_frames=n, height=h, width=w, fps=4, seed=i)
-        rows.append({"problem_id": i, "video": str(clip),
-                     "prompt": [{"role": "user", "content": [{"type": "video"},
-                                                             {"type": "text", "text": f"Question {i}?" * (i + 1)}]}]})
-    return Dataset.from_list(rows)
+    return Dataset.from_list(video_rows(tmp_path))
 
 
 def test_video_gradient_accumulation_and_checkpointing(tiny_vl_path, tmp_path, video_dataset):
