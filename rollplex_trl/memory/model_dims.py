@@ -99,21 +99,12 @@ class ModelDims:
         return hid + split
 
 
-def _qwen25_vl(name: str, hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int, tied: bool,
-               vit_inter: int) -> ModelDims:
-    return ModelDims(name, hidden, layers, heads, kv, hidden // heads, inter, vocab, tied,
-                     VisionDims(intermediate=vit_inter, out_hidden=hidden))
+def _presets() -> dict[str, ModelDims]:
+    # One table of the released Qwen2.5-VL shapes serves both planners: rollplex_trl/sharding/models.py holds it.
+    from rollplex_trl.sharding.models import PRESETS as CONFIGS
+    from rollplex_trl.sharding.models import preset_config
 
-
-PRESETS: dict[str, ModelDims] = {
-    m.name: m
-    for m in (
-        _qwen25_vl("Qwen2.5-VL-3B", 2048, 36, 16, 2, 11008, 151936, True, 3420),
-        _qwen25_vl("Qwen2.5-VL-7B", 3584, 28, 28, 4, 18944, 152064, False, 3420),
-        _qwen25_vl("Qwen2.5-VL-32B", 5120, 64, 40, 8, 27648, 152064, False, 3456),
-        _qwen25_vl("Qwen2.5-VL-72B", 8192, 80, 64, 8, 29568, 152064, False, 3456),
-    )
-}
+    return {name: dims_from_config(preset_config(name), name) for name in CONFIGS}
 
 
 def resolve_model(name_or_config: str) -> ModelDims:
@@ -135,6 +126,11 @@ def from_hf_config(path: str | Path) -> ModelDims:
 
     path = Path(path)
     config = AutoConfig.from_pretrained(str(path.parent if path.is_file() else path))
+    return dims_from_config(config, getattr(config, "_name_or_path", None) or path.name)
+
+
+def dims_from_config(config, name: str) -> ModelDims:
+    """The dimensions of a transformers config object (VL configs have text_config/vision_config)."""
     text = getattr(config, "text_config", None) or config
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -157,7 +153,7 @@ def from_hf_config(path: str | Path) -> ModelDims:
     if tied is None:
         tied = getattr(text, "tie_word_embeddings", False)
     return ModelDims(
-        name=getattr(config, "_name_or_path", None) or path.name,
+        name=name,
         hidden=text.hidden_size,
         layers=text.num_hidden_layers,
         heads=heads,
@@ -168,3 +164,6 @@ def from_hf_config(path: str | Path) -> ModelDims:
         tied_embeddings=bool(tied),
         vision=vision,
     )
+
+
+PRESETS: dict[str, ModelDims] = _presets()  # after dims_from_config, which it uses
