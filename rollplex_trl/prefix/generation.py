@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from rollplex_trl.multimodal.prompt import PreparedPrompt
 from rollplex_trl.prefix.batch import group_by_prompt, run_prefix
-from rollplex_trl.prefix.forward import unwrap_model
+from rollplex_trl.prefix.forward import cache_kwarg, unwrap_model
 
 _VISION_KWARGS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
                   "mm_token_type_ids")
@@ -74,7 +74,8 @@ def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None
             on_prefill(input_ids.size(0), unique)
         window = decode_window(input_ids, attention_mask) if decode_window is not None else contextlib.nullcontext()
         with window:
-            return original(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **kwargs)
+            return original(input_ids=input_ids, attention_mask=attention_mask, **{cache_kwarg(causal_lm): cache},
+                            **kwargs)
 
     causal_lm.generate = generate
     try:

@@ -50,6 +50,7 @@ from rollplex_trl.multimodal.prompt import (
 from rollplex_trl.prefix import backward_prefix, detach_prefix, suffix_logps
 from rollplex_trl.prefix.batch import ActorPrefix, group_by_prompt, rows_to_prompts, run_prefix, shared_prefix_logps
 from rollplex_trl.prefix.generation import shared_prefill
+from rollplex_trl.rollout.multimodal import FramedPromptDataset
 from rollplex_trl.trainers.overlap import OverlapMixin
 from rollplex_trl.trainers.vllm import VLLMEngineMixin  # vLLM engine (rollout/)
 
@@ -73,6 +74,7 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, GRPOTrainer):  # vLLM e
     _tag_names = ["trl", "grpo", "rollplex"]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _refuse_before_setup(*args, **kwargs)
         super().__init__(*args, **kwargs)
         self.rollplex = rollplex_options(self.args)
         # Rows of the batch whose log-probs are being computed (None outside our passes): see `_rows_in_flight`.
@@ -116,15 +118,15 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, GRPOTrainer):  # vLLM e
             return dataset
         if not has_video_column(dataset):
             # Image datasets take TRL's own path, unless the shared prefix is on: it needs each row's prompt
-            # identity and per-prompt pixels, which the prepared path provides (vLLM still needs TRL's path).
-            shareable_images = (self._share_scoring and self._is_vlm and not self.use_vllm and not self.tools
+            # identity and per-prompt pixels, which the prepared path provides.
+            shareable_images = (self._share_scoring and self._is_vlm and not self.tools
                                 and self.environment_factories is None and self.rollout_func is None
                                 and hasattr(dataset, "__getitem__")
                                 and not isinstance(dataset, torch.utils.data.IterableDataset)
                                 and has_column(dataset, IMAGE_COLUMNS))
             if not shareable_images:
                 return dataset
-            return PreparedPromptDataset(dataset, self.processing_class, self._media_options())
+            return self._prepared_dataset(dataset)
         if not self._is_vlm:
             raise RollplexDataError(
                 f"the {name} dataset has a video column but the processing class is a tokenizer, not a processor. "
@@ -134,14 +136,15 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, GRPOTrainer):  # vLLM e
             raise RollplexDataError(
                 f"the {name} dataset is iterable; video datasets must be map-style (datasets.Dataset) for now."
             )
-        if self.use_vllm:
-            raise NotImplementedError(
-                "video prompts with use_vllm=True are not supported yet (the vLLM rollout engine is future work); "
-                "use the transformers generation path (use_vllm=False)."
-            )
         if self.tools or self.environment_factories is not None or self.rollout_func is not None:
             raise NotImplementedError("video prompts with tools, environments or a rollout_func are not supported.")
-        return PreparedPromptDataset(dataset, self.processing_class, self._media_options())
+        return self._prepared_dataset(dataset)
+
+    def _prepared_dataset(self, dataset: Any) -> PreparedPromptDataset:
+        # vLLM processes media itself from frames and images (it cannot take pixel patches): its rows keep the
+        # media our loader decoded, so nothing is decoded twice (rollout/multimodal.py)
+        cls = FramedPromptDataset if self.use_vllm else PreparedPromptDataset
+        return cls(dataset, self.processing_class, self._media_options())
 
     def _wrap_datasets(self) -> bool:
         """Wrap the video (and, with the shared prefix, image) datasets; returns whether any has video."""
@@ -451,6 +454,25 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, GRPOTrainer):  # vLLM e
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
         aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None
         return logps, entropies, aux_loss
+
+
+def _refuse_before_setup(*args: Any, **kwargs: Any) -> None:
+    """Refuse combinations we cannot run before GRPOTrainer's setup connects to a vLLM server or loads weights."""
+    import inspect
+
+    bound = inspect.signature(GRPOTrainer.__init__).bind(None, *args, **kwargs).arguments
+    config = bound.get("args")
+    if config is None or not (config.use_vllm and config.vllm_mode == "server"):
+        return
+    evals = bound.get("eval_dataset")
+    datasets = {"train": bound.get("train_dataset"),
+                **({f"eval[{k}]": v for k, v in evals.items()} if isinstance(evals, dict) else {"eval": evals})}
+    for name, dataset in datasets.items():
+        if dataset is not None and has_video_column(dataset):
+            raise NotImplementedError(
+                f"the {name} dataset has videos, but vllm_mode='server' cannot carry them: TRL's server protocol "
+                "sends images only. Use vllm_mode='colocate' (or use_vllm=False) for video prompts."
+            )
 
 
 def _reject_nan_rewards(func: Callable, name: str) -> Callable:

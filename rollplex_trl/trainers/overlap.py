@@ -1,6 +1,7 @@
 """The overlap schedule inside RollplexGRPOTrainer: prefix jobs run in the rollout's decode window.
 
-While the transformers rollout decodes at θ_k, a worker computes, for the step's unique prompts:
+While the rollout (transformers' generate, or the vLLM engine of trainers/vllm.py) decodes at θ_k, a worker
+computes, for the step's unique prompts:
 - `ref`: the reference model's prefix (no grad), used by the reference log-prob pass;
 - `old`: the policy's prefix (no grad), used by the old log-prob pass when TRL computes one;
 - `actor`: the policy's prefix with its autograd graph, used by the loss (when one generation batch is exactly one
@@ -47,8 +48,8 @@ class OverlapMixin:
         reasons = []
         if not self._share_scoring:
             reasons.append("the shared prefix is off")
-        if self.use_vllm or self.use_transformers_continuous_batching:
-            reasons.append("the rollout is not transformers' generate (the vLLM engine is future work)")
+        if self.use_transformers_continuous_batching:
+            reasons.append("transformers' continuous batching has no decode window to run prefix work in")
         if reasons and self._overlap_mode != "off":
             message = f"rollplex_overlap: off: {'; '.join(reasons)}"
             if self._overlap_mode == "on":

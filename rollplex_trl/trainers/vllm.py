@@ -184,17 +184,6 @@ class VLLMEngineMixin:
         with _trl_builds(RollplexVLLMGeneration):
             super().__init__(*args, **kwargs)
 
-    def _init_overlap(self) -> None:
-        # OverlapMixin turns itself off for any vLLM rollout; with this engine the prefix jobs can run while vLLM
-        # generates (the trainer's model is idle then), so only its other conditions apply.
-        if not self.use_vllm:
-            return super()._init_overlap()
-        self.use_vllm = False
-        try:
-            super()._init_overlap()
-        finally:
-            self.use_vllm = True
-
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if not self.use_vllm or not isinstance(getattr(self, "vllm_generation", None), RollplexVLLMGeneration):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,

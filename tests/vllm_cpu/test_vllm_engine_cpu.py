@@ -7,6 +7,7 @@ step and a sync, and differ before the sync (so the check can fail).
 
 import pytest
 import torch
+
 from vllm_helpers import SEQUENCES, TOL, max_gap, optimizer_step, trainer_logprobs
 
 pytestmark = pytest.mark.needs_vllm

@@ -6,40 +6,13 @@ reference and old-policy prefixes are computed while the engine generates; the r
 with the overlap off.
 """
 
-import copy
-
 import pytest
-import torch
 from datasets import Dataset
 
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
-from rollplex_trl.rollout.transformers_engine import TransformersEngine
 from rollplex_trl.trainers.vllm import RollplexVLLMGeneration
 
-
-class StandInEngine:
-    """A colocated 'vLLM' that samples with its own copy of the weights (so a missing sync would show)."""
-
-    def __init__(self, model):
-        self.copy = copy.deepcopy(model).eval()
-        self.inner = TransformersEngine(self.copy, pad_token_id=0, eos_token_ids=[2])
-        self.requests_seen = []
-
-    def sync_weights(self, model, version):
-        with torch.no_grad():
-            for dst, src in zip(self.copy.parameters(), model.parameters(), strict=True):
-                dst.copy_(src)
-        return {"rollplex/weight_sync_s": 1e-3, "rollplex/weight_sync_bytes": 1.0}
-
-    def generate(self, requests, sampling):
-        self.requests_seen.append([r.n for r in requests])
-        return self.inner.generate(requests, sampling)
-
-    def sleep(self):
-        pass
-
-    def wake(self):
-        pass
+from vllm_helpers import StandInEngine
 
 
 def _train(path, tmp_path, overlap, monkeypatch):

