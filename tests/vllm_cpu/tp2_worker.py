@@ -12,9 +12,9 @@ import sys
 import torch
 
 
-def main(checkpoint: str) -> None:
+def main(checkpoint: str, out_dir: str) -> None:
     sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "..", "..")]
-    import conftest  # noqa: F401  (imports rollplex_trl without torchvision, as the tests do)
+    import conftest  # noqa: F401  (the tier's environment settings)
     from transformers import AutoModelForCausalLM
 
     from rollplex_trl.rollout.vllm_engine import VLLMColocateEngine, VLLMEngineConfig
@@ -31,10 +31,13 @@ def main(checkpoint: str) -> None:
     stale = max_gap(engine, model, SEQUENCES)
     metrics = engine.sync_weights(model, version=1)
     after = max_gap(engine, model, SEQUENCES)
-    print(json.dumps({"rank": int(os.environ["RANK"]), "before_step": before_step, "stale": stale, "after": after,
-                      "bytes": metrics["rollplex/weight_sync_bytes"], "seconds": metrics["rollplex/weight_sync_s"],
-                      "aliased": engine.weight_sync.aliased_names}), flush=True)
+    rank = int(os.environ["RANK"])
+    # one file per rank: lines the two ranks print at the same moment can interleave on a shared stdout
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "before_step": before_step, "stale": stale, "after": after,
+                   "bytes": metrics["rollplex/weight_sync_bytes"], "seconds": metrics["rollplex/weight_sync_s"],
+                   "aliased": engine.weight_sync.aliased_names}, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])
