@@ -64,6 +64,22 @@ def cache_kwarg(module: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(type(module).forward).parameters else "past_key_values"
 
 
+def _check_cache_used(cache: Cache, what: str) -> None:
+    """Fail loudly if the decoder ignored our cache: a transformers version that drops or renames it would otherwise
+    give a prefix with no keys/values, or a suffix that silently attends to itself only (wrong log-probs)."""
+    unused = [i for i, layer in enumerate(cache.layers)
+              if not (layer.served if isinstance(layer, _ReadOnlyLayer) else layer.is_initialized)]
+    if unused:
+        import transformers
+
+        raise RuntimeError(
+            f"{what}: decoder layers {unused} did not use the prompt's KV cache (transformers "
+            f"{transformers.__version__}). The prefix/suffix split needs a decoder that takes the cache as "
+            "`cache`/`past_key_values` and keeps it under gradient checkpointing (`_can_checkpoint_with_cache`). "
+            "Set rollplex_share_prefix='off' to use the full-sequence path."
+        )
+
+
 def _check_full_attention(backbone: nn.Module) -> None:
     # Our caches keep every prompt position; a sliding-window layer would need its window applied to them
     text_config = backbone.config.get_text_config()
@@ -102,6 +118,7 @@ class _ReadOnlyLayer(DynamicLayer):
         super().__init__()
         self.keys, self.values, self.rows = keys, values, rows  # keys/values: (U, kv_heads, P-1, head_dim)
         self.device, self.is_initialized = keys.device, True
+        self.served = False  # set by the first update: a forward that never asked would have ignored the prompt
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # The gather to rows happens here, not up front, so the G-fold copy of the prompt's K/V exists only for the
@@ -109,6 +126,7 @@ class _ReadOnlyLayer(DynamicLayer):
         # one per-row materialization stock attention kernels cannot avoid. Everything else about the prompt
         # (its activations, the vision tower) exists once per prompt. index_select's backward sums the G rows'
         # gradients into the prompt's K/V.
+        self.served = True
         keys = torch.cat([self.keys.index_select(0, self.rows), key_states], dim=-2)
         values = torch.cat([self.values.index_select(0, self.rows), value_states], dim=-2)
         return keys, values
@@ -256,6 +274,7 @@ def prefix_forward(
         backbone(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1], position_ids=positions[..., :-1],
                  use_cache=False, **{cache_kwarg(backbone): capture}, **vision)
 
+    _check_cache_used(capture, "prefix_forward")
     keys = [layer.keys for layer in capture.layers]
     values = [layer.values for layer in capture.layers]
     return PrefixState(
@@ -303,6 +322,21 @@ def _logps_from_hidden(
     return logps, entropy
 
 
+def _suffix_forward(causal_lm: nn.Module, inputs: dict, labels: torch.Tensor, temperature: float,
+                    compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    fused = _fused_head(causal_lm)
+    if fused is not None:
+        # A silently different temperature would give plausible but wrong log-probs: refuse instead
+        if "temperature" in fused and fused["temperature"] != temperature:
+            raise ValueError(f"model's fused LM head uses temperature {fused['temperature']}, not {temperature}")
+        out = causal_lm(**inputs, labels=labels, fused_lm_head=True)
+        if compute_entropy and out.entropy is None:
+            raise ValueError("the model's fused LM head was added without 'entropy' in its outputs")
+        return out.log_probs, out.entropy
+    hidden = causal_lm.base_model(**inputs).last_hidden_state[:, :-1]  # (R, C, hidden): predict c_0..c_C-1
+    return _logps_from_hidden(causal_lm, hidden, labels[:, 1:], temperature, compute_entropy)
+
+
 def suffix_logps(
     model: nn.Module,
     state: PrefixState,
@@ -342,19 +376,14 @@ def suffix_logps(
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
               cache_kwarg(backbone): cache, "use_cache": False}
 
-    fused = _fused_head(causal_lm)
-    with _cache_safe_checkpointing(layers):
-        if fused is not None:
-            # A silently different temperature would give plausible but wrong log-probs: refuse instead
-            if "temperature" in fused and fused["temperature"] != temperature:
-                raise ValueError(f"model's fused LM head uses temperature {fused['temperature']}, not {temperature}")
-            out = causal_lm(**inputs, labels=labels, fused_lm_head=True)
-            logps, entropy = out.log_probs, out.entropy
-            if compute_entropy and entropy is None:
-                raise ValueError("the model's fused LM head was added without 'entropy' in its outputs")
-        else:
-            hidden = backbone(**inputs).last_hidden_state[:, :-1]  # (R, C, hidden): positions that predict c_0..c_C-1
-            logps, entropy = _logps_from_hidden(causal_lm, hidden, labels[:, 1:], temperature, compute_entropy)
+    try:
+        with _cache_safe_checkpointing(layers):
+            logps, entropy = _suffix_forward(causal_lm, inputs, labels, temperature, compute_entropy)
+    except RuntimeError:
+        # an ignored cache often shows first as a mask/key shape mismatch: name the cause if it is that
+        _check_cache_used(cache, "suffix_logps")
+        raise
+    _check_cache_used(cache, "suffix_logps")
     return logps, (entropy if compute_entropy else None)
 
 

@@ -517,3 +517,19 @@ def test_errors(tiny_vl_path, processor):
         right_padded = torch.cat([b.prompt_mask[:, 1:], torch.zeros_like(b.prompt_mask[:, :1])], 1)
         with pytest.raises(ValueError, match="left-padded"):
             prefix_forward(model, b.prompt_ids, right_padded, **b.prefix_inputs())
+
+
+def test_a_decoder_that_ignores_the_cache_is_refused(tiny_qwen2_path, tokenizer, monkeypatch):
+    """A transformers version that drops or renames the cache argument (5.19 took it as `past_key_values`, and HF
+    models swallow unknown keyword arguments) would give a suffix attending to itself only: wrong log-probs without
+    any error. Both halves must notice instead."""
+    import rollplex_trl.prefix.forward as forward_module
+
+    model = load_qwen2(tiny_qwen2_path)
+    b = text_batch(tokenizer, G=2)
+    state = prefix_forward(model, b.prompt_ids, b.prompt_mask)
+    monkeypatch.setattr(forward_module, "cache_kwarg", lambda module: "a_keyword_the_model_ignores")
+    with pytest.raises(RuntimeError, match="did not use the prompt's KV cache"):
+        prefix_forward(model, b.prompt_ids, b.prompt_mask)
+    with pytest.raises(RuntimeError, match="did not use the prompt's KV cache"):
+        suffix_logps(model, state, b.row_to_prompt, b.completion_ids, b.completion_mask)
