@@ -69,6 +69,34 @@ def test_video_grpo_through_the_vllm_path(tiny_vl_path, tmp_path, monkeypatch, o
         assert torch.isfinite(torch.tensor(row["loss"]))
 
 
+def test_image_grpo_through_the_vllm_path(tiny_vl_path, tmp_path, monkeypatch):
+    """Image prompts with the shared prefix on take the prepared path too: each request carries its PIL images once
+    (n = G), and the sampler's log-probs match the trainer's."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_vl_path)
+    tokenizer = processor.tokenizer
+    monkeypatch.setattr(RollplexVLLMGeneration, "_make_colocate_engine", lambda self, config, tp_group: StandInEngine(
+        self.model, processor=processor, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id]))
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in [(56, 56), (56, 84)] * 2]
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is in picture {i}?"}]
+                                            for i in range(4)], "image": images})
+    trainer = RollplexGRPOTrainer(model=str(tiny_vl_path), reward_funcs=lambda completions, **kw: [
+        float(len(c[0]["content"]) % 5) for c in completions], args=_config(tmp_path), train_dataset=dataset,
+        processing_class=processor)
+    trainer.train()
+
+    engine = trainer.vllm_generation.engine
+    assert engine.requests_seen == [[2, 2], [2, 2]]
+    assert all(len(r.multi_modal_data["image"]) == 1 for batch in engine.requests for r in batch)
+    for row in (r for r in trainer.state.log_history if "loss" in r):
+        assert row["sampling/sampling_logp_difference/max"] < 1e-4, row
+        assert row["rollplex/prefix_rows_per_prompt"] == 2.0  # the scoring passes shared each image prompt
+
+
 def test_sampler_that_ignores_the_video_is_caught(tiny_vl_path, tmp_path, monkeypatch):
     """The check above can fail: a sampler that drops the video (what TRL 1.16 does with video prompts when it
     scores) gives log-probs far from the trainer's."""
