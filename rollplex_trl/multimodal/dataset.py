@@ -52,8 +52,9 @@ def has_column(dataset: Any, columns: tuple[str, ...]) -> bool:
     names = getattr(dataset, "column_names", None)
     if names is None:
         try:
-            names = list(dataset[0].keys())
-        except Exception:  # an empty or non-indexable dataset is reported elsewhere
+            first = dataset[0] if hasattr(dataset, "__getitem__") else next(iter(dataset))  # a stream: peek a row
+            names = list(first.keys())
+        except Exception:  # an empty or unreadable dataset is reported elsewhere
             return False
     return any(c in names for c in columns)
 
@@ -69,8 +70,61 @@ def _sample_id(row: dict, index: int) -> str:
     return f"row {index}"
 
 
+class MediaPreparer:
+    """Turns one dataset row into a prepared row: media loaded once, processor run once, budget checked."""
+
+    def __init__(self, processor, options: MediaOptions) -> None:
+        self.processor = processor
+        self.options = options
+
+    def prepare_row(self, row: dict, sample_id: str) -> dict:
+        """`row` (a copy the caller owns) with a `PreparedPrompt` under `rollplex_prompt`, without image columns."""
+        videos = [self._load_video(v, sample_id) for v in _as_list(row, VIDEO_COLUMNS)]
+        images = [self._load_image(im, sample_id) for im in _as_list(row, IMAGE_COLUMNS)]
+        if "prompt" not in row:
+            raise RollplexDataError(f"sample {sample_id}: the row has no `prompt` column")
+        prepared = prepare_prompt(
+            self.processor, row["prompt"], sample_id=sample_id, images=images, videos=videos,
+            chat_template=self.options.chat_template, chat_template_kwargs=self.options.chat_template_kwargs,
+            video_pixel_bounds=(self.options.sampling.min_pixels, self.options.sampling.max_pixels),
+        )
+        budget = self.options.max_prompt_length
+        if budget is not None and prepared.num_prompt_tokens > budget:
+            raise RollplexDataError(
+                f"{prepared.describe()}: the prompt has {prepared.num_prompt_tokens} tokens "
+                f"({prepared.num_visual_tokens} of them visual), over rollplex_max_prompt_length={budget}. Raise the "
+                "budget, lower rollplex_video_max_frames / rollplex_video_max_pixels, or set "
+                "rollplex_skip_invalid_samples=True to skip such samples."
+            )
+        # TRL treats `image`/`images` columns as its own image inputs: remove them (the pixels are in the prepared
+        # prompt). `video`/`videos` stay, so reward functions still see which file a completion answered.
+        for col in IMAGE_COLUMNS:
+            row.pop(col, None)
+        row[PREPARED_KEY] = prepared
+        return row
+
+    def _load_video(self, value: Any, sample_id: str) -> SampledVideo:
+        if isinstance(value, SampledVideo):
+            return value
+        if isinstance(value, (str, os.PathLike)):
+            return load_video(str(value), self.options.sampling, sample_id=sample_id)
+        # A list of frames (PIL images / arrays) or a frame tensor: already sampled, at the configured fps.
+        return frames_to_video(value, self.options.sampling.fps, self.options.sampling, sample_id=sample_id)
+
+    def _load_image(self, value: Any, sample_id: str):
+        if isinstance(value, (str, os.PathLike)):
+            from rollplex_trl.data.video_r1 import load_image
+
+            return load_image(str(value), sample_id=sample_id)
+        if value is None:
+            raise RollplexDataError(f"sample {sample_id}: the image column is empty for this row")
+        return value
+
+
 class PreparedPromptDataset(torch.utils.data.Dataset):
     """Map-style dataset that returns rows with a `PreparedPrompt` under `rollplex_prompt`."""
+
+    preparer_cls: type[MediaPreparer] = MediaPreparer
 
     def __init__(self, base: Sequence, processor, options: MediaOptions) -> None:
         if len(base) == 0:
@@ -79,6 +133,7 @@ class PreparedPromptDataset(torch.utils.data.Dataset):
         self.base = base
         self.processor = processor
         self.options = options
+        self.preparer = self.preparer_cls(processor, options)
         self._cache: OrderedDict[int, dict] = OrderedDict()
         self._substitute: dict[int, int] = {}  # invalid row -> the valid row that stands in for it
         self.skipped: dict[int, str] = {}  # invalid row -> reason
@@ -125,47 +180,7 @@ class PreparedPromptDataset(torch.utils.data.Dataset):
 
     def _prepare(self, index: int) -> dict:
         row = dict(self.base[index])
-        sample_id = _sample_id(row, index)
-        videos = [self._load_video(v, sample_id) for v in _as_list(row, VIDEO_COLUMNS)]
-        images = [self._load_image(im, sample_id) for im in _as_list(row, IMAGE_COLUMNS)]
-        if "prompt" not in row:
-            raise RollplexDataError(f"sample {sample_id}: the row has no `prompt` column")
-        prepared = prepare_prompt(
-            self.processor, row["prompt"], sample_id=sample_id, images=images, videos=videos,
-            chat_template=self.options.chat_template, chat_template_kwargs=self.options.chat_template_kwargs,
-            video_pixel_bounds=(self.options.sampling.min_pixels, self.options.sampling.max_pixels),
-        )
-        budget = self.options.max_prompt_length
-        if budget is not None and prepared.num_prompt_tokens > budget:
-            raise RollplexDataError(
-                f"{prepared.describe()}: the prompt has {prepared.num_prompt_tokens} tokens "
-                f"({prepared.num_visual_tokens} of them visual), over rollplex_max_prompt_length={budget}. Raise the "
-                "budget, lower rollplex_video_max_frames / rollplex_video_max_pixels, or set "
-                "rollplex_skip_invalid_samples=True to skip such samples."
-            )
-        # TRL treats `image`/`images` columns as its own image inputs: remove them (the pixels are in the prepared
-        # prompt). `video`/`videos` stay, so reward functions still see which file a completion answered.
-        for col in IMAGE_COLUMNS:
-            row.pop(col, None)
-        row[PREPARED_KEY] = prepared
-        return row
-
-    def _load_video(self, value: Any, sample_id: str) -> SampledVideo:
-        if isinstance(value, SampledVideo):
-            return value
-        if isinstance(value, (str, os.PathLike)):
-            return load_video(str(value), self.options.sampling, sample_id=sample_id)
-        # A list of frames (PIL images / arrays) or a frame tensor: already sampled, at the configured fps.
-        return frames_to_video(value, self.options.sampling.fps, self.options.sampling, sample_id=sample_id)
-
-    def _load_image(self, value: Any, sample_id: str):
-        if isinstance(value, (str, os.PathLike)):
-            from rollplex_trl.data.video_r1 import load_image
-
-            return load_image(str(value), sample_id=sample_id)
-        if value is None:
-            raise RollplexDataError(f"sample {sample_id}: the image column is empty for this row")
-        return value
+        return self.preparer.prepare_row(row, _sample_id(row, index))
 
 
 def _as_list(row: dict, columns: tuple[str, str]) -> list:
@@ -179,3 +194,83 @@ def _as_list(row: dict, columns: tuple[str, str]) -> list:
     if row.get(many) is not None:
         items.extend(row[many])
     return items
+
+
+class StreamPreparer:
+    """Prepares the rows of a generation batch read from an iterable (streaming) `datasets.IterableDataset`.
+
+    TRL reorders a stream itself (`repeat_iterable_dataset`: each prompt G times in a row, generation batches
+    repeated), so no map-style wrapper can sit in front of it; the rows are prepared when a generation batch reaches
+    the trainer. Identical rows share one prepared row (media decoded once per prompt), and an LRU of recent rows
+    serves the repeats of later steps. With `skip_invalid`, an invalid prompt's rows are replaced by the rows of a
+    valid prompt of the same batch (group structure kept) and counted; otherwise the error names the sample.
+    """
+
+    def __init__(self, preparer: MediaPreparer, options: MediaOptions) -> None:
+        self.preparer = preparer
+        self.options = options
+        self._cache: OrderedDict[tuple, dict] = OrderedDict()
+        self.skipped: dict[tuple, str] = {}
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self.skipped)
+
+    def prepare_batch(self, rows: list[dict]) -> list[dict]:
+        keys = [_row_key(row) for row in rows]
+        ready: dict[tuple, dict] = {}
+        for key, row in zip(keys, rows):
+            if key in ready or key in self.skipped:
+                continue
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                ready[key] = self._cache[key]
+                continue
+            try:
+                ready[key] = self.preparer.prepare_row(dict(row), _stream_sample_id(row))
+            except RollplexDataError as err:
+                if not self.options.skip_invalid:
+                    raise
+                self.skipped[key] = str(err)
+                logger.warning("skipping invalid sample (%d skipped so far): %s", len(self.skipped), err)
+                continue
+            self._cache[key] = ready[key]
+            while len(self._cache) > max(1, self.options.cache_size):
+                self._cache.popitem(last=False)
+        valid = list(ready)
+        if not valid:
+            raise RollplexDataError(f"every sample of this generation batch is invalid; the first problem: "
+                                    f"{self.skipped[keys[0]]}")
+        invalid = list(dict.fromkeys(k for k in keys if k not in ready))
+        stand_in = {key: valid[i % len(valid)] for i, key in enumerate(invalid)}
+        # a shallow copy per row (TRL adds nothing to rows, but callers may); the PreparedPrompt itself is shared
+        return [dict(ready[stand_in.get(key, key)]) for key in keys]
+
+
+def _stream_sample_id(row: dict) -> str:
+    for key in ("problem_id", "id", "sample_id"):
+        if row.get(key) is not None:
+            return f"{row[key]} (streamed)"
+    return "a streamed row (no problem_id/id column)"
+
+
+def _row_key(row: dict) -> tuple:
+    """Content identity of a streamed row: the G repeats of a prompt arrive as separate, equal dicts."""
+    return tuple(sorted((str(k), _hashable(v)) for k, v in row.items()))
+
+
+def _hashable(value: Any) -> Any:
+    if value is None or isinstance(value, (str, int, float, bool, bytes)):
+        return value
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _hashable(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    if hasattr(value, "tobytes"):  # PIL images, numpy arrays: by content
+        import hashlib
+
+        shape = getattr(value, "shape", getattr(value, "size", ""))
+        return ("bytes", hashlib.sha1(value.tobytes()).hexdigest(), str(shape))
+    if isinstance(value, torch.Tensor):
+        return _hashable(value.numpy())
+    return repr(value)

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from rollplex_trl.multimodal.dataset import PREPARED_KEY, PreparedPromptDataset
+from rollplex_trl.multimodal.dataset import PREPARED_KEY, MediaPreparer, PreparedPromptDataset
 from rollplex_trl.multimodal.prompt import PreparedPrompt
 from rollplex_trl.rollout.engine import RolloutRequest
 
@@ -29,13 +29,13 @@ class FramedPrompt(PreparedPrompt):
     pixel_bounds: tuple[int, int] | None = None  # (min_pixels, max_pixels) the frames were sampled with
 
 
-class FramedPromptDataset(PreparedPromptDataset):
-    """`PreparedPromptDataset` whose rows carry a `FramedPrompt` (same prompt ids and tensors, plus the media)."""
+class FramedMediaPreparer(MediaPreparer):
+    """`MediaPreparer` that keeps the media it loaded in the row's `FramedPrompt` (same ids and tensors)."""
 
-    def _prepare(self, index: int) -> dict:
+    def prepare_row(self, row: dict, sample_id: str) -> dict:
         self._loaded_videos: list[Any] = []
         self._loaded_images: list[Any] = []
-        row = super()._prepare(index)
+        row = super().prepare_row(row, sample_id)
         prepared: PreparedPrompt = row[PREPARED_KEY]
         values = {f.name: getattr(prepared, f.name) for f in dataclasses.fields(PreparedPrompt)}
         sampling = self.options.sampling
@@ -53,6 +53,12 @@ class FramedPromptDataset(PreparedPromptDataset):
         image = super()._load_image(value, sample_id)
         self._loaded_images.append(image)
         return image
+
+
+class FramedPromptDataset(PreparedPromptDataset):
+    """`PreparedPromptDataset` whose rows carry a `FramedPrompt` (same prompt ids and tensors, plus the media)."""
+
+    preparer_cls = FramedMediaPreparer
 
 
 def video_item(video: Any) -> tuple[Any, dict[str, Any]]:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import datasets
 import torch
 from trl import GRPOTrainer
 from trl.trainer.grpo_trainer import is_async_callable  # TRL's own test for async reward functions
@@ -35,8 +36,11 @@ from rollplex_trl.executor import Span
 from rollplex_trl.multimodal.dataset import (
     IMAGE_COLUMNS,
     PREPARED_KEY,
+    VIDEO_COLUMNS,
     MediaOptions,
+    MediaPreparer,
     PreparedPromptDataset,
+    StreamPreparer,
     has_column,
     has_video_column,
 )
@@ -50,7 +54,7 @@ from rollplex_trl.multimodal.prompt import (
 from rollplex_trl.prefix import backward_prefix, detach_prefix, suffix_logps
 from rollplex_trl.prefix.batch import ActorPrefix, group_by_prompt, rows_to_prompts, run_prefix, shared_prefix_logps
 from rollplex_trl.prefix.generation import shared_prefill
-from rollplex_trl.rollout.multimodal import FramedPromptDataset
+from rollplex_trl.rollout.multimodal import FramedMediaPreparer, FramedPromptDataset
 from rollplex_trl.trainers.overlap import OverlapMixin
 from rollplex_trl.trainers.vllm import VLLMEngineMixin, trainer_init_arguments  # vLLM engine (rollout/)
 
@@ -132,12 +136,21 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, GRPOTrainer):  # vLLM e
                 f"the {name} dataset has a video column but the processing class is a tokenizer, not a processor. "
                 "Pass the model's processor (e.g. AutoProcessor.from_pretrained(...)) as processing_class."
             )
-        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
+        streamed = isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__")
+        if streamed and not isinstance(dataset, datasets.IterableDataset):
             raise RollplexDataError(
-                f"the {name} dataset is iterable; video datasets must be map-style (datasets.Dataset) for now."
+                f"the {name} dataset is iterable but not a datasets.IterableDataset; TRL groups the G completions "
+                "of a prompt only in map-style datasets and datasets.IterableDataset streams. Wrap it with "
+                "datasets.IterableDataset.from_generator(...)."
             )
         if self.tools or self.environment_factories is not None or self.rollout_func is not None:
             raise NotImplementedError("video prompts with tools, environments or a rollout_func are not supported.")
+        if streamed:  # TRL reorders the stream itself: its rows are prepared per generation batch
+            if self._stream_preparer is None:
+                preparer_cls = FramedMediaPreparer if self.use_vllm else MediaPreparer
+                options = self._media_options()
+                self._stream_preparer = StreamPreparer(preparer_cls(self.processing_class, options), options)
+            return dataset
         return self._prepared_dataset(dataset)
 
     def _prepared_dataset(self, dataset: Any) -> PreparedPromptDataset:
@@ -148,6 +161,7 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, GRPOTrainer):  # vLLM e
 
     def _wrap_datasets(self) -> bool:
         """Wrap the video (and, with the shared prefix, image) datasets; returns whether any has video."""
+        self._stream_preparer: StreamPreparer | None = None
         self.train_dataset = self._wrap(self.train_dataset, "train")
         if isinstance(self.eval_dataset, dict):
             self.eval_dataset = {k: self._wrap(v, f"eval[{k}]") for k, v in self.eval_dataset.items()}
@@ -155,8 +169,8 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, GRPOTrainer):  # vLLM e
         else:
             self.eval_dataset = self._wrap(self.eval_dataset, "eval")
             evals = [self.eval_dataset]
-        return any(isinstance(d, PreparedPromptDataset) and has_video_column(d.base)
-                   for d in [self.train_dataset, *evals])
+        return self._stream_preparer is not None or any(
+            isinstance(d, PreparedPromptDataset) and has_video_column(d.base) for d in [self.train_dataset, *evals])
 
     def _setup_memory_ledger(self):
         """Phases from TRL's callbacks plus a `rollout` phase around generation; the actor prefix (boundary state,
@@ -234,6 +248,9 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, GRPOTrainer):  # vLLM e
             self._rows_in_flight = previous
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        if (self._stream_preparer is not None and inputs and PREPARED_KEY not in inputs[0]
+                and any(c in inputs[0] for c in VIDEO_COLUMNS)):
+            inputs = self._stream_preparer.prepare_batch(inputs)  # a streamed video dataset
         rows = [x.get(PREPARED_KEY) for x in inputs]
         if all(r is None for r in rows):
             return super()._generate_and_score_completions(inputs)
@@ -246,9 +263,10 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, GRPOTrainer):  # vLLM e
         finally:
             self._rows_to_tokenize = None
         output[PREPARED_KEY] = rows  # a list: TRL shuffles and splits it together with the row tensors
-        self._metrics["train" if self.model.training else "eval"]["rollplex/skipped_samples"].append(
-            float(getattr(self.train_dataset, "num_skipped", 0))
-        )
+        skipped = getattr(self.train_dataset, "num_skipped", 0)
+        if self._stream_preparer is not None:
+            skipped += self._stream_preparer.num_skipped
+        self._metrics["train" if self.model.training else "eval"]["rollplex/skipped_samples"].append(float(skipped))
         return output
 
     def _tokenize_prompts(self, prompts: list):
