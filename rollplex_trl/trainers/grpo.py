@@ -192,8 +192,10 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, GRPOTrainer):  # vLLM e
         """Whether the no-grad scoring passes (reference, old) and the actor pass may use the shared prefix.
 
         Exactness needs: a decoder we know (full attention, Qwen2/Qwen2.5-VL/Llama family), no MoE aux loss, and
-        completions without tool outputs. The actor pass also needs to run outside any DDP/FSDP/DeepSpeed wrapper's
-        forward, which is only safe in a single process without ZeRO-3/FSDP (the wrapper's hooks would not fire).
+        completions without tool outputs, and no DeepSpeed/FSDP (their parameter gathers run in the wrapper's
+        forward, which the prefix/suffix passes bypass). Under multi-process DDP the actor pass bypasses DDP's
+        forward too, so DDP does not reduce its gradients: the trainer averages them itself once per window
+        (`_average_gradients_across_processes`), which is what DDP computes.
         """
         mode = self.rollplex["rollplex_share_prefix"]
         if mode == "off":
@@ -209,9 +211,8 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, GRPOTrainer):  # vLLM e
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             blockers.append("DeepSpeed/FSDP shard parameters; the prefix pass would run outside their gather hooks")
         actor_blockers = list(blockers)
-        if self.accelerator.num_processes > 1:
-            actor_blockers.append("multi-process training: the actor prefix runs outside DDP's forward (its "
-                                  "gradient hooks would not fire); scoring passes still share")
+        # multi-process without DeepSpeed/FSDP is DDP (or its CPU/XPU/NPU variants): gradients averaged by us
+        self._average_actor_gradients = self.accelerator.num_processes > 1
         for label, reasons in (("reference/old log-probs", blockers), ("actor pass", actor_blockers)):
             if reasons:
                 message = f"rollplex_share_prefix: off for the {label}: {'; '.join(reasons)}"
@@ -324,6 +325,8 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, GRPOTrainer):  # vLLM e
             self._window_steps_left -= 1
             if self._window_steps_left == 0:
                 self._finish_actor_prefix()
+                if self._average_actor_gradients:
+                    self._average_gradients_across_processes()
         self.timeline.add(Span("micro-step", "step", start, time.perf_counter()))  # includes the rollout
         if self.overlap_executor is not None and self._step % self.current_gradient_accumulation_steps == 0:
             self.overlap_executor.assert_idle()  # barrier 3: the optimizer step follows
@@ -444,6 +447,32 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, GRPOTrainer):  # vLLM e
             backward_prefix(actor.outputs, actor.leaf_state)
         self._actor_prefix = []
 
+    def _average_gradients_across_processes(self) -> None:
+        """Average every trainable parameter's gradient over the processes, as DDP's reducer would have.
+
+        The shared actor pass runs on the unwrapped model, so DDP's gradient hooks never fire (its reducer only acts
+        after a forward through the wrapper). Averaging is linear, so gradients DDP did reduce within the window (a
+        micro-batch that took TRL's own path) stay correct: they are equal on every process already. Missing
+        gradients count as zeros on every process, so all processes reduce the same tensors in the same order.
+        """
+        params = [p for p in self.accelerator.unwrap_model(self.model).parameters() if p.requires_grad]
+        world = self.accelerator.num_processes
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        by_kind: dict[tuple, list[torch.Tensor]] = {}
+        for p in params:  # one flat buffer per dtype and device: the same grouping on every process
+            by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+        for grads in by_kind.values():
+            for bucket in _buckets(grads, 64 * 2**20):
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                torch.distributed.all_reduce(flat)
+                flat.div_(world)
+                offset = 0
+                for g in bucket:
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+
     def _prepared_rows_logps(self, model, rows, input_ids, attention_mask, logits_to_keep, batch_size,
                              compute_entropy, compute_aux_loss):
         """TRL's chunked fused-head log-prob pass, with each chunk's vision inputs built from its rows."""
@@ -515,6 +544,21 @@ def _reject_nan_rewards(func: Callable, name: str) -> Callable:
         return rewards
 
     return checked
+
+
+def _buckets(tensors: list[torch.Tensor], max_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive groups of tensors of at most `max_bytes` each (a larger tensor is alone)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 def _pad_left(x: torch.Tensor, width: int, value: int) -> torch.Tensor:
