@@ -8,6 +8,21 @@ import numpy as np
 import torch
 
 
+class RecordingReward:
+    """A reward of the completion's length mod 5 that also records (problem_id, completion) for every row it
+    scores, to compare what two runs sampled (problem_id is None for datasets without that column)."""
+
+    __name__ = "recording_reward"
+
+    def __init__(self):
+        self.seen: list[tuple] = []
+
+    def __call__(self, completions, **kwargs):
+        texts = [c[0]["content"] for c in completions]
+        self.seen.extend(zip(kwargs.get("problem_id") or [None] * len(texts), texts))
+        return [float(len(t) % 5) for t in texts]
+
+
 def write_mp4(path: Path, num_frames: int, height: int, width: int, fps: int = 4, seed: int = 0) -> Path:
     """Write a real MP4 clip of smooth random colour blocks (compressible, but not constant)."""
     from rollplex_trl.data.synthetic import write_mp4 as encode

@@ -13,21 +13,7 @@ import rollplex_trl.trainers.overlap as overlap_module
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 from rollplex_trl.executor import OverlapError, OverlapExecutor
 
-from helpers import video_rows
-
-
-class RecordingReward:
-    """Reward that also records every completion it scores, to compare what the rollout sampled."""
-
-    __name__ = "recording_reward"
-
-    def __init__(self):
-        self.seen = []
-
-    def __call__(self, completions, **kwargs):
-        texts = [c[0]["content"] for c in completions]
-        self.seen.extend(texts)
-        return [float(len(t) % 5) for t in texts]
+from helpers import RecordingReward, video_rows
 
 
 def _config(tmp_path, overlap, **overrides):
