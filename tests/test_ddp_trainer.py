@@ -36,6 +36,8 @@ def test_shared_actor_prefix_under_ddp_learns_the_same(tiny_vl_path, tmp_path):
         assert [[r[k] for k in keys] for r in results[0]["logs"]] == [[r[k] for k in keys] for r in results[1]["logs"]]
     a, b = shared[0]["logs"], plain[0]["logs"]
     assert len(a) == len(b) == 2
-    for x, y in zip(a, b, strict=True):
+    # step 1 is the same computation in another order: tight. Step 2 starts from weights after one AdamW step, which
+    # turns rounding-level gradient differences on near-zero gradients into O(lr) weight differences: looser.
+    for step, (x, y) in enumerate(zip(a, b, strict=True)):
         for key in keys:
-            assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), key
+            assert x[key] == pytest.approx(y[key], rel=1e-5 if step == 0 else 1e-3, abs=1e-6), (step, key)
