@@ -28,6 +28,7 @@ import datasets
 import torch
 from trl import GRPOTrainer
 from trl.trainer.grpo_trainer import is_async_callable  # TRL's own test for async reward functions
+from trl.trainer.utils import RepeatSampler
 
 from rollplex_trl.config import rollplex_options
 from rollplex_trl.data.errors import RollplexDataError
@@ -55,6 +56,7 @@ from rollplex_trl.prefix import backward_prefix, detach_prefix, suffix_logps
 from rollplex_trl.prefix.batch import ActorPrefix, group_by_prompt, rows_to_prompts, run_prefix, shared_prefix_logps
 from rollplex_trl.prefix.generation import shared_prefill
 from rollplex_trl.rollout.multimodal import FramedMediaPreparer, FramedPromptDataset
+from rollplex_trl.trainers.checkpoint import ResumableRepeatSampler, load_model_weights, needs_converted_load
 from rollplex_trl.trainers.overlap import OverlapMixin
 from rollplex_trl.trainers.vllm import VLLMEngineMixin, trainer_init_arguments  # vLLM engine (rollout/)
 
@@ -331,6 +333,20 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, GRPOTrainer):  # vLLM e
         if self.overlap_executor is not None and self._step % self.current_gradient_accumulation_steps == 0:
             self.overlap_executor.assert_idle()  # barrier 3: the optimizer step follows
         return output
+
+    def _get_train_sampler(self, dataset=None):
+        # a resumed run must see the data of later epochs in the uninterrupted run's order (trainers/checkpoint.py)
+        sampler = super()._get_train_sampler(dataset)
+        return ResumableRepeatSampler.from_sampler(sampler) if type(sampler) is RepeatSampler else sampler
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        # transformers' plain load skips weights saved under legacy names (Qwen2.5-VL): see trainers/checkpoint.py
+        target = self.accelerator.unwrap_model(model if model is not None else self.model)
+        if (not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+                and needs_converted_load(target, resume_from_checkpoint)):
+            load_model_weights(target, resume_from_checkpoint)
+            return
+        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
 
     def train(self, *args: Any, **kwargs: Any):
         try:
