@@ -66,3 +66,16 @@ def test_the_trainers_own_load_would_have_skipped_the_weights(tiny_vl_path, tmp_
     assert loaded == ["lm_head.weight"]  # the one name the saved file shares with the model: the rest is skipped
     fresh._load_from_checkpoint(checkpoint)  # ours
     assert all(torch.equal(a, b) for a, b in zip(first.model.parameters(), fresh.model.parameters(), strict=True))
+
+
+def test_load_best_model_at_end_gets_the_best_checkpoints_weights(tiny_vl_path, tmp_path):
+    dataset = Dataset.from_list(video_rows(tmp_path, lambda i: "Q" * i))
+    trainer, _ = _trainer(tiny_vl_path, dataset, tmp_path, "best")
+    trainer.train()
+    trainer.state.best_model_checkpoint = str(tmp_path / "best" / "checkpoint-2")  # as an eval metric would set it
+    reference, _ = _trainer(tiny_vl_path, dataset, tmp_path, "reference")
+    reference._load_from_checkpoint(trainer.state.best_model_checkpoint)
+    assert not all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), reference.model.parameters()))
+    trainer._load_best_model()
+    for a, b in zip(trainer.model.parameters(), reference.model.parameters(), strict=True):
+        assert torch.equal(a, b)

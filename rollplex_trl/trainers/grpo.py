@@ -348,6 +348,15 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, GRPOTrainer):  # vLLM e
             return
         super()._load_from_checkpoint(resume_from_checkpoint, model=model)
 
+    def _load_best_model(self) -> None:
+        # load_best_model_at_end reads checkpoints the same plain way: same correction
+        best = self.state.best_model_checkpoint
+        target = self.accelerator.unwrap_model(self.model)
+        if best and not (self.is_deepspeed_enabled or self.is_fsdp_enabled) and needs_converted_load(target, best):
+            load_model_weights(target, best)
+            return
+        super()._load_best_model()
+
     def train(self, *args: Any, **kwargs: Any):
         try:
             return super().train(*args, **kwargs)
