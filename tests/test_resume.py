@@ -19,24 +19,30 @@ from helpers import RecordingReward, video_rows
 KEYS = ("loss", "kl", "grad_norm", "reward", "entropy")
 
 
-def _trainer(model, dataset, tmp_path, name):
+def _trainer(model, dataset, tmp_path, name, peft_config=None):
     args = RollplexGRPOConfig(
         output_dir=str(tmp_path / name), max_steps=4, per_device_train_batch_size=4, num_generations=2,
         max_completion_length=6, learning_rate=5e-3, beta=0.1, logging_steps=1, report_to=[], seed=5, use_cpu=True,
         bf16=False, save_strategy="steps", save_steps=2, rollplex_overlap="off",
         rollplex_video_min_pixels=4 * 28 * 28, rollplex_video_max_pixels=56 * 84)
     reward = RecordingReward()
-    return RollplexGRPOTrainer(model=str(model), reward_funcs=reward, args=args, train_dataset=dataset), reward
+    trainer = RollplexGRPOTrainer(model=str(model), reward_funcs=reward, args=args, train_dataset=dataset,
+                                  peft_config=peft_config)
+    return trainer, reward
 
 
 # 4 prompts, 2 per step: the checkpoint at step 2 ends epoch 0, so the resumed steps are in epoch 1
-def test_resume_continues_the_uninterrupted_run(tiny_vl_path, tmp_path):
+@pytest.mark.parametrize("lora", [False, True])
+def test_resume_continues_the_uninterrupted_run(tiny_vl_path, tmp_path, lora):
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if lora else None
     dataset = Dataset.from_list(video_rows(tmp_path, lambda i: "Q" * i))
-    full, full_reward = _trainer(tiny_vl_path, dataset, tmp_path, "full")
+    full, full_reward = _trainer(tiny_vl_path, dataset, tmp_path, "full", peft_config)
     full.train()
     checkpoint = tmp_path / "full" / "checkpoint-2"
 
-    resumed, resumed_reward = _trainer(tiny_vl_path, dataset, tmp_path, "resumed")
+    resumed, resumed_reward = _trainer(tiny_vl_path, dataset, tmp_path, "resumed", peft_config)
     resumed.train(resume_from_checkpoint=str(checkpoint))
 
     assert resumed_reward.seen == full_reward.seen[len(full_reward.seen) // 2:]  # same prompts, same samples
