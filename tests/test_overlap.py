@@ -155,7 +155,7 @@ def test_auto_decides_and_logs(tiny_qwen2_path, tmp_path, caplog):
     assert "rollplex_overlap=auto" in caplog.text and ("-> overlap ON" in caplog.text
                                                        or "-> overlap OFF" in caplog.text)
     active = [r["rollplex/overlap_active"] for r in trainer.state.log_history if "rollplex/overlap_active" in r]
-    assert active[:2] == [0.0, 1.0]  # measured serially, then overlapped
+    assert active[:3] == [0.0, 0.0, 1.0]  # a serial warm-up, measured serially, then overlapped
     trace = json.loads((tmp_path / "auto" / "rollplex_timeline.json").read_text())
     names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"decode", "ref", "micro-step"} <= names

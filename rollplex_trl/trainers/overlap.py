@@ -10,8 +10,9 @@ The decoding thread and the worker only read θ_k (barrier 1, `WeightGuard`); sc
 the optimizer step asserts the executor is idle (barrier 3). Jobs never toggle module state that the rollout reads:
 PEFT reference passes (which disable the adapter, module-global state) are not overlapped.
 
-`rollplex_overlap="auto"` runs the first generation step serially (decode, then the same jobs) and the second
-concurrently, then keeps whichever schedule had the shorter critical path, logging the numbers.
+`rollplex_overlap="auto"` runs the first generation step serially as a warm-up (its one-time costs, e.g. vLLM's or
+the allocator's first-call work, would bias the comparison), the second serially (measured: decode, then the same
+jobs) and the third concurrently, then keeps whichever schedule had the shorter critical path, logging the numbers.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from rollplex_trl.executor import OverlapExecutor, Span, Timeline, WeightGuard, 
 from rollplex_trl.prefix.batch import Precomputed, precompute_prefix
 
 logger = logging.getLogger(__name__)
+
+# "auto": window 0 is a serial warm-up, window 1 the serial measurement, window 2 the overlapped one
+_AUTO_SERIAL_WINDOW, _AUTO_OVERLAP_WINDOW = 1, 2
 
 
 class OverlapMixin:
@@ -113,8 +117,8 @@ class OverlapMixin:
                 yield  # "auto" decided against it: prefixes are computed when scored, as with "off"
                 return
             jobs = self._window_jobs(input_ids, attention_mask, rows)
-            concurrent = (self._overlap_active or (not self._auto_decided and self._windows_seen == 1)) \
-                and not self.overlap_force_serial
+            auto_trial = not self._auto_decided and self._windows_seen == _AUTO_OVERLAP_WINDOW
+            concurrent = (self._overlap_active or auto_trial) and not self.overlap_force_serial
             guard = WeightGuard([*self.model.parameters(),
                                  *(self.ref_model.parameters() if self.ref_model is not None else [])])
             executor = self.overlap_executor
@@ -159,12 +163,12 @@ class OverlapMixin:
         for key, value in stats.metrics(self._serial_decode_s).items():
             self._metrics[mode][key].append(value)
         self._metrics[mode]["rollplex/overlap_active"].append(float(concurrent))
-        self._windows_seen += 1
+        window, self._windows_seen = self._windows_seen, self._windows_seen + 1
         if self._auto_decided or not had_jobs:
             return
-        if self._windows_seen == 1:
+        if window == _AUTO_SERIAL_WINDOW:
             self._auto_serial_s = stats.decode_s + stats.prefix_s
-        elif self._windows_seen == 2:
+        elif window == _AUTO_OVERLAP_WINDOW:
             self._overlap_active = stats.critical_path_s < self._auto_serial_s
             self._auto_decided = True
             logger.warning(
