@@ -90,6 +90,9 @@ def request_for(prompt: PreparedPrompt, n: int) -> RolloutRequest:
         data["video"] = [video_item(v) for v in prompt.videos]
     kwargs = None
     if prompt.videos and prompt.pixel_bounds is not None:
-        # the frames are already at their final size: bounds around it make vLLM's resize a no-op
-        kwargs = {"size": {"shortest_edge": prompt.pixel_bounds[0], "longest_edge": prompt.pixel_bounds[1]}}
+        # the frames are already at their final size: bounds around it make vLLM's resize a no-op. Scoped to the
+        # video processor (vLLM's Qwen-VL processing keeps `images_kwargs`/`videos_kwargs` apart): flat `size` would
+        # also resize the prompt's images, which the trainer processed with the image processor's own bounds
+        bounds = {"shortest_edge": prompt.pixel_bounds[0], "longest_edge": prompt.pixel_bounds[1]}
+        kwargs = {"videos_kwargs": {"size": bounds}}
     return RolloutRequest(list(prompt.prompt_ids), n, multi_modal_data=data or None, mm_processor_kwargs=kwargs)

@@ -65,10 +65,11 @@ class TransformersEngine:
         # one placeholder per item in the text; the processor expands it, as vLLM's HF-processor call does
         text = "".join(f"<|vision_start|>{self.processor.image_token}<|vision_end|>" for _ in images or []) + "".join(
             f"<|vision_start|>{self.processor.video_token}<|vision_end|>" for _ in videos)
-        kwargs: dict[str, Any] = {}
+        # the request's mm_processor_kwargs as vLLM passes them (flat, or per modality), plus the frames' metadata
+        kwargs: dict[str, Any] = dict(request.mm_processor_kwargs or {})
         if videos:
-            kwargs["videos_kwargs"] = {"video_metadata": metadata, "do_sample_frames": False,
-                                       **(request.mm_processor_kwargs or {})}
+            kwargs["videos_kwargs"] = {**(kwargs.get("videos_kwargs") or {}), "video_metadata": metadata,
+                                       "do_sample_frames": False}
         out = self.processor(text=[text], images=images, videos=frames or None, return_tensors="pt", **kwargs)
         expanded = out["input_ids"][0].tolist()
         for token in (self.processor.image_token_id, self.processor.video_token_id):
