@@ -15,6 +15,7 @@ file, or, with `skip_invalid=True`, are replaced by the next valid row and count
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections import OrderedDict
@@ -256,21 +257,21 @@ def _stream_sample_id(row: dict) -> str:
 
 def _row_key(row: dict) -> tuple:
     """Content identity of a streamed row: the G repeats of a prompt arrive as separate, equal dicts."""
-    return tuple(sorted((str(k), _hashable(v)) for k, v in row.items()))
+    return content_key(row)
 
 
-def _hashable(value: Any) -> Any:
+def content_key(value: Any) -> Any:
+    """A hashable key equal for equal content: nested dicts/lists by value, images and arrays by a digest of their
+    bytes (the G copies of a prompt are separate objects after TRL's repeat and arrow round trips)."""
     if value is None or isinstance(value, (str, int, float, bool, bytes)):
         return value
     if isinstance(value, dict):
-        return tuple(sorted((str(k), _hashable(v)) for k, v in value.items()))
+        return tuple(sorted((str(k), content_key(v)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
-        return tuple(_hashable(v) for v in value)
+        return tuple(content_key(v) for v in value)
     if hasattr(value, "tobytes"):  # PIL images, numpy arrays: by content
-        import hashlib
-
         shape = getattr(value, "shape", getattr(value, "size", ""))
         return ("bytes", hashlib.sha1(value.tobytes()).hexdigest(), str(shape))
     if isinstance(value, torch.Tensor):
-        return _hashable(value.numpy())
+        return content_key(value.numpy())
     return repr(value)

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
+
+K = TypeVar("K")  # what group_into_buckets groups: tensor names, indices
 
 
 @dataclass(frozen=True)
@@ -219,10 +222,11 @@ def is_alias_of(src: torch.Tensor, dst: torch.Tensor, piece: Piece) -> bool:
             and src.stride() == view.stride())
 
 
-def group_into_buckets(sizes: Iterable[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
-    """Consecutive groups of names whose byte sizes add up to at most `bucket_bytes` (a larger item is alone)."""
-    buckets: list[list[str]] = []
-    current: list[str] = []
+def group_into_buckets(sizes: Iterable[tuple[K, int]], bucket_bytes: int) -> list[list[K]]:
+    """Consecutive groups of keys (names, indices) whose byte sizes add up to at most `bucket_bytes` (a larger item
+    is alone)."""
+    buckets: list[list[K]] = []
+    current: list[K] = []
     used = 0
     for name, size in sizes:
         if current and used + size > bucket_bytes:

@@ -9,14 +9,13 @@ passes bypass DDP's forward, so the window's gradients are averaged here, as DDP
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 from rollplex_trl.multimodal.dataset import PREPARED_KEY
 from rollplex_trl.multimodal.prompt import PreparedPrompt
 from rollplex_trl.prefix import backward_prefix, detach_prefix
 from rollplex_trl.prefix.batch import ActorPrefix, group_by_prompt, rows_to_prompts, run_prefix
+from rollplex_trl.rollout.layout import group_into_buckets
 
 
 class ActorPrefixMixin:
@@ -93,29 +92,15 @@ class ActorPrefixMixin:
         for p in params:  # one flat buffer per dtype and device: the same grouping on every process
             by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
         for grads in by_kind.values():
-            for bucket in _buckets(grads, 64 * 2**20):
-                flat = torch.cat([g.reshape(-1) for g in bucket])
+            sizes = [(i, g.numel() * g.element_size()) for i, g in enumerate(grads)]
+            for bucket in group_into_buckets(sizes, 64 * 2**20):
+                flat = torch.cat([grads[i].reshape(-1) for i in bucket])
                 torch.distributed.all_reduce(flat)
                 flat.div_(world)
                 offset = 0
-                for g in bucket:
-                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
-
-
-def _buckets(tensors: list[torch.Tensor], max_bytes: int) -> Iterator[list[torch.Tensor]]:
-    """Consecutive groups of tensors of at most `max_bytes` each (a larger tensor is alone)."""
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > max_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(t)
-        size += nbytes
-    if bucket:
-        yield bucket
+                for i in bucket:
+                    grads[i].copy_(flat[offset:offset + grads[i].numel()].view_as(grads[i]))
+                    offset += grads[i].numel()
 
 
 def _pad_left(x: torch.Tensor, width: int, value: int) -> torch.Tensor:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import inspect
 import logging
 import os
@@ -28,6 +27,7 @@ from trl.extras.profiling import profiling_context
 from trl.generation.vllm_generation import VLLMGeneration
 
 from rollplex_trl.config import rollplex_options
+from rollplex_trl.multimodal.dataset import content_key
 from rollplex_trl.rollout.engine import RolloutRequest, SamplingSpec, flatten_rows
 from rollplex_trl.rollout.multimodal import request_for
 from rollplex_trl.rollout.vllm_engine import VLLMColocateEngine, VLLMEngineConfig, cpu_platform
@@ -137,7 +137,7 @@ def _row_key(ids: list[int], images: list | None, row: Any) -> tuple:
     if row is not None:
         media = getattr(row, "sample_id", id(row))
     elif images:
-        media = tuple(hashlib.sha1(im.tobytes()).hexdigest() for im in images)
+        media = content_key(images)
     return tuple(ids), media
 
 
