@@ -22,6 +22,17 @@ from helpers import video_rows
 from vllm_helpers import StandInEngine
 
 
+def _use_stand_in(monkeypatch, model_path, engine_cls):
+    """Make the trainer's vLLM path build `engine_cls` (a StandInEngine) with the model's processor; returns it."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_path)
+    tokenizer = processor.tokenizer
+    monkeypatch.setattr(RollplexVLLMGeneration, "_make_colocate_engine", lambda self, config, tp_group: engine_cls(
+        self.model, processor=processor, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id]))
+    return processor
+
+
 def _config(tmp_path, **overrides):
     kwargs = dict(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4, num_generations=2,
                   max_completion_length=6, learning_rate=5e-3, beta=0.1, logging_steps=1, report_to=[], seed=5,
@@ -33,12 +44,8 @@ def _config(tmp_path, **overrides):
 
 @pytest.mark.parametrize("overlap,streamed", [("off", False), ("on", False), ("off", True)])
 def test_video_grpo_through_the_vllm_path(tiny_vl_path, tmp_path, monkeypatch, overlap, streamed):
-    from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(tiny_vl_path)
-    tokenizer = processor.tokenizer
-    monkeypatch.setattr(RollplexVLLMGeneration, "_make_colocate_engine", lambda self, config, tp_group: StandInEngine(
-        self.model, processor=processor, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id]))
+    processor = _use_stand_in(monkeypatch, tiny_vl_path, StandInEngine)
     decoded = []
     load_video = dataset_module.load_video
     monkeypatch.setattr(dataset_module, "load_video", lambda *a, **k: decoded.append(a[0]) or load_video(*a, **k))
@@ -78,12 +85,8 @@ def test_image_grpo_through_the_vllm_path(tiny_vl_path, tmp_path, monkeypatch):
     (n = G), and the sampler's log-probs match the trainer's."""
     import numpy as np
     from PIL import Image
-    from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(tiny_vl_path)
-    tokenizer = processor.tokenizer
-    monkeypatch.setattr(RollplexVLLMGeneration, "_make_colocate_engine", lambda self, config, tp_group: StandInEngine(
-        self.model, processor=processor, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id]))
+    processor = _use_stand_in(monkeypatch, tiny_vl_path, StandInEngine)
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in [(56, 56), (56, 84)] * 2]
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is in picture {i}?"}]
@@ -104,10 +107,6 @@ def test_image_grpo_through_the_vllm_path(tiny_vl_path, tmp_path, monkeypatch):
 def test_sampler_that_ignores_the_video_is_caught(tiny_vl_path, tmp_path, monkeypatch):
     """The check above can fail: a sampler that drops the video (what TRL 1.16 does with video prompts when it
     scores) gives log-probs far from the trainer's."""
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(tiny_vl_path)
-    tokenizer = processor.tokenizer
 
     class VideoBlind(StandInEngine):
         def generate(self, requests, sampling):
@@ -115,8 +114,7 @@ def test_sampler_that_ignores_the_video_is_caught(tiny_vl_path, tmp_path, monkey
                 r.multi_modal_data = None  # text only: the placeholders stay, their features do not
             return super().generate(requests, sampling)
 
-    monkeypatch.setattr(RollplexVLLMGeneration, "_make_colocate_engine", lambda self, config, tp_group: VideoBlind(
-        self.model, processor=processor, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id]))
+    processor = _use_stand_in(monkeypatch, tiny_vl_path, VideoBlind)
     dataset = Dataset.from_list(video_rows(tmp_path, lambda i: "Q" * i))
     trainer = RollplexGRPOTrainer(model=str(tiny_vl_path), reward_funcs=lambda completions, **kw: [
         float(len(c[0]["content"]) % 5) for c in completions], args=_config(tmp_path, max_steps=1),
