@@ -54,14 +54,70 @@ def test_invalid_samples_can_be_skipped_and_are_counted(tiny_vl_path, tmp_path):
     good_a = write_mp4(tmp_path / "a.mp4", 8, 56, 56, seed=1)
     good_b = write_mp4(tmp_path / "b.mp4", 8, 56, 56, seed=2)
     rows = [_row(701, tmp_path / "missing.mp4"), _row(702, good_a), _row(703, good_b)]
-    trainer = _trainer(tiny_vl_path, rows, _config(tmp_path, rollplex_skip_invalid_samples=True, max_steps=2))
+    trainer = _trainer(tiny_vl_path, rows, _config(tmp_path, rollplex_skip_invalid_samples=True, max_steps=2,
+                                                   rollplex_max_skipped_fraction=0.5))
     trainer.train()
     assert trainer.train_dataset.num_skipped == 1
     assert 0 in trainer.train_dataset.skipped and "missing.mp4" in trainer.train_dataset.skipped[0]
     logged = [r["rollplex/skipped_samples"] for r in trainer.state.log_history if "rollplex/skipped_samples" in r]
     assert logged and max(logged) == 1.0
+    fractions = [r["rollplex/skipped_fraction"] for r in trainer.state.log_history if "rollplex/skipped_fraction" in r]
+    assert fractions and max(fractions) > 0 and max(fractions) == pytest.approx(trainer.train_dataset.skipped_fraction)
     # the stand-in for the invalid row is a valid prompt, never the invalid one
     assert trainer.train_dataset[0]["problem_id"] in (702, 703)
+
+
+def _truncated_faststart_mp4(path, num_frames=40):
+    """A faststart MP4 (index before the data) cut near half its bytes: it opens and declares every frame, but only
+    the first ones decode (an interrupted download or copy)."""
+    import av
+    import numpy as np
+
+    whole = path.with_name("whole-" + path.name)
+    with av.open(str(whole), mode="w", options={"movflags": "faststart"}) as container:
+        stream = container.add_stream("libx264" if "libx264" in av.codec.codecs_available else "mpeg4", rate=5)
+        stream.height, stream.width, stream.pix_fmt = 56, 56, "yuv420p"
+        for i in range(num_frames):
+            frame = np.full((56, 56, 3), 5 * i, dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    data = whole.read_bytes()
+    with av.open(str(whole)) as container:  # cut between packets, so that no decoder error gives it away
+        ends = [p.pos + p.size for p in container.demux(video=0) if p.size and p.pos is not None]
+    path.write_bytes(data[: min(ends, key=lambda end: abs(end - len(data) / 2))])
+    return path
+
+
+def test_truncated_video_is_an_error_naming_sample_and_file(tiny_vl_path, tmp_path):
+    cut = _truncated_faststart_mp4(tmp_path / "cut.mp4")
+    good = write_mp4(tmp_path / "good.mp4", 8, 56, 56)
+    trainer = _trainer(tiny_vl_path, [_row(1001, cut), _row(1002, good)], _config(tmp_path))
+    with pytest.raises(RollplexDataError) as info:
+        trainer.train_dataset[0]
+    message = str(info.value)
+    assert "problem_id=1001 (row 0)" in message and str(cut) in message and "truncated or corrupt" in message
+
+
+def test_truncated_video_is_skipped_and_the_skipped_fraction_is_limited(tiny_vl_path, tmp_path):
+    cut = _truncated_faststart_mp4(tmp_path / "cut.mp4")
+    good = write_mp4(tmp_path / "good.mp4", 8, 56, 56)
+    rows = [_row(1101, cut), _row(1102, good)]
+    # half the rows invalid, above the default limit of 5%: training stops, naming the option to raise
+    trainer = _trainer(tiny_vl_path, rows, _config(tmp_path, rollplex_skip_invalid_samples=True))
+    with pytest.raises(RollplexDataError) as info:
+        trainer.train()
+    message = str(info.value)
+    assert "1 of the 2 samples of the dataset are invalid" in message
+    assert "rollplex_max_skipped_fraction=0.05" in message
+    assert "problem_id=1101 (row 0)" in message and "truncated or corrupt" in message
+
+    trainer = _trainer(tiny_vl_path, rows, _config(tmp_path, rollplex_skip_invalid_samples=True,
+                                                   rollplex_max_skipped_fraction=1.0))
+    trainer.train()
+    assert trainer.train_dataset.num_skipped == 1 and "truncated" in trainer.train_dataset.skipped[0]
+    assert trainer.train_dataset.skipped_fraction == 0.5
 
 
 def test_over_budget_prompt_is_an_error_not_a_truncation(tiny_vl_path, tmp_path):

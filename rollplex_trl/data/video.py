@@ -16,6 +16,8 @@ What differs:
   here frames are decoded sequentially and only the selected ones are kept, already resized.
 - Frames are returned as uint8; qwen-vl-utils returns the same values cast to float32.
 - ``video_start``/``video_end`` select frames whose timestamp ``t`` satisfies ``start <= t <= end`` (seconds).
+- A file that decodes far fewer frames than its container declares (a faststart MP4 cut short) is an error;
+  qwen-vl-utils samples the frames that decode, i.e. the start of the clip.
 - For frame lists (:func:`frames_to_video`), qwen-vl-utils resizes each image with the *image* pixel bounds; here the
   video bounds of the config are used so that a pre-extracted clip and an MP4 of it give the same tensor shape.
 """
@@ -212,11 +214,30 @@ def smart_nframes(total_frames: int, video_fps: float, config: VideoSamplingConf
         wanted = total_frames / video_fps * config.fps
         nframes = floor_by_factor(min(max(wanted, min_frames), max_frames, total_frames), factor)
     if not factor <= nframes <= total_frames:
-        raise RollplexDataError(
-            f"{where}: cannot sample {nframes} frames from a video of {total_frames} frames (need between "
-            f"{factor} and the frame count); use a longer video, lower `nframes`, or drop the sample"
-        )
+        raise _nframes_error(nframes, total_frames, config, where)
     return nframes
+
+
+def _nframes_error(nframes: int, total_frames: int, config: VideoSamplingConfig, where: str) -> RollplexDataError:
+    """Why no valid frame count exists, naming a setting the user can change (the trainer has no `nframes`)."""
+    factor = config.frame_factor
+    if config.nframes is not None:
+        return RollplexDataError(
+            f"{where}: cannot sample {nframes} frames (VideoSamplingConfig.nframes={config.nframes}) from a video of "
+            f"{total_frames} frames; lower nframes or use a longer video",
+            skippable=True,
+        )
+    if total_frames < factor:
+        return RollplexDataError(
+            f"{where}: the video has {total_frames} frame(s), fewer than the {factor} the model needs (it merges "
+            f"frames in groups of {factor}); use a longer video or drop the sample",
+            skippable=True,
+        )
+    # sampling by fps caps the count at the video's length, so only a too-small max_frames is left
+    return RollplexDataError(
+        f"{where}: max_frames={config.max_frames} (rollplex_video_max_frames) is below {factor}, the number of frames "
+        f"the model merges into one; raise it to at least {factor}"
+    )
 
 
 def sample_frame_indices(total_frames: int, nframes: int) -> list[int]:
@@ -298,6 +319,8 @@ def _count_frames_by_demux(path: str, config: VideoSamplingConfig) -> int:
 class _ProbeResult:
     video_fps: float
     estimated_frames: int
+    # counted from the packets (no stored count, or a time window); otherwise it is the count the container declares
+    counted_by_demux: bool = False
 
 
 def _probe(path: str, config: VideoSamplingConfig, where: str) -> _ProbeResult:
@@ -311,7 +334,7 @@ def _probe(path: str, config: VideoSamplingConfig, where: str) -> _ProbeResult:
         raise RollplexDataError(f"{where}: the video stream has no frame rate; re-encode it with a constant rate")
     if stored_frames > 0 and not config.has_time_window:
         return _ProbeResult(video_fps, stored_frames)
-    return _ProbeResult(video_fps, _count_frames_by_demux(path, config))
+    return _ProbeResult(video_fps, _count_frames_by_demux(path, config), counted_by_demux=True)
 
 
 class _FrameResizer:
@@ -395,23 +418,40 @@ def load_video(
         path_str = path_str[len("file://") :]
     where = f"{describe_sample(sample_id)}, video {path_str!r}"
     if not Path(path_str).is_file():
-        raise RollplexDataError(
-            f"{where}: file not found; check the path / data root, or enable skipping of invalid samples"
-        )
+        raise RollplexDataError(f"{where}: file not found; check the path / data root", skippable=True)
     try:
         return _load_video_checked(path_str, config, where)
     except RollplexDataError:
         raise
     except _DECODE_ERRORS as error:
         raise RollplexDataError(
-            f"{where}: cannot decode the video ({type(error).__name__}: {error}); re-encode or replace the file, or "
-            f"enable skipping of invalid samples"
+            f"{where}: cannot decode the video ({type(error).__name__}: {error}); re-encode or replace the file",
+            skippable=True,
         ) from error
+
+
+# How many of the frames a container declares may fail to decode before the file counts as truncated.
+_MISSING_FRAMES_TOLERANCE = 0.1  # a fraction of the declared count ...
+_MIN_MISSING_FRAMES_TOLERATED = 2  # ... but never fewer than this (short clips)
+
+
+def _looks_truncated(declared_frames: int, decoded_frames: int) -> bool:
+    """Whether far fewer frames decode than the container declares: more than
+    ``max(_MIN_MISSING_FRAMES_TOLERATED, _MISSING_FRAMES_TOLERANCE * declared)`` missing.
+
+    A valid file may decode a frame or two less than its header says (edit lists, a damaged last group of pictures);
+    a faststart MP4 (index at the front) cut short by an interrupted download or copy still declares every frame but
+    decodes only the part that is left, and sampling that part would silently train on the start of the clip.
+    """
+    missing = declared_frames - decoded_frames
+    return missing > max(_MIN_MISSING_FRAMES_TOLERATED, _MISSING_FRAMES_TOLERANCE * declared_frames)
 
 
 def _load_video_checked(path: str, config: VideoSamplingConfig, where: str) -> SampledVideo:
     probe = _probe(path, config, where)
     total_frames = probe.estimated_frames
+    # A count from demuxing is what the file holds; only a count the container declares can reveal a cut
+    declared = None if probe.counted_by_demux else probe.estimated_frames
     for _attempt in range(2):
         if total_frames == 0:
             break
@@ -423,17 +463,25 @@ def _load_video_checked(path: str, config: VideoSamplingConfig, where: str) -> S
             frames = torch.stack([kept[index] for index in indices])
             sample_fps = nframes / max(total_frames, 1e-6) * probe.video_fps
             return SampledVideo(frames, sample_fps, path, probe.video_fps, total_frames, list(indices))
-        # The container's count was wrong (truncated file, edit lists, variable frame rate): the decoded count is the
-        # truth, as in qwen-vl-utils' torchvision reader, so sample again from it.
+        if declared is not None and _looks_truncated(declared, decoded_frames):
+            raise RollplexDataError(
+                f"{where}: the container declares {declared} frames but only {decoded_frames} decode; the file looks "
+                "truncated or corrupt (an interrupted download or copy?), and its frames would cover only part of "
+                "the clip. Replace or re-encode the file",
+                skippable=True,
+            )
+        # The container's count is slightly off (edit lists, variable frame rate): the decoded count is the truth,
+        # as in qwen-vl-utils' torchvision reader, so sample again from it.
         logger.debug("%s: container reports %d frames, decoded %d; resampling", where, total_frames, decoded_frames)
         total_frames = decoded_frames
     if total_frames == 0:
         window = " in the requested time window" if config.has_time_window else ""
         raise RollplexDataError(
-            f"{where}: the video has no decodable frames{window}; replace the file, fix video_start/video_end, or "
-            f"enable skipping of invalid samples"
+            f"{where}: the video has no decodable frames{window}; replace the file or fix video_start/video_end",
+            skippable=True,
         )
-    raise RollplexDataError(f"{where}: the decoded frame count changes between reads; re-encode the file")
+    raise RollplexDataError(f"{where}: the decoded frame count changes between reads; re-encode the file",
+                            skippable=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

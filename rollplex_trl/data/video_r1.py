@@ -9,7 +9,8 @@ A row looks like::
 The prompt is built exactly as Video-R1's ``make_conversation_image_and_video`` (``src/r1-v/src/open_r1/grpo.py`` in
 tulerfeng/Video-R1 @ 59d65c3). Media paths are resolved against a data root, by default the annotation file's
 folder: Video-R1 keeps ``Video-R1-260k.json`` inside ``Video-R1-data/`` and resolves ``"./X"`` as
-``Video-R1-data/X``.
+``Video-R1-data/X``. A path that leads outside the data root (``../../x.mp4``, ``/elsewhere/x.mp4``) is refused
+unless ``allow_paths_outside_root=True``: an annotation file should not make the trainer read arbitrary files.
 """
 
 from __future__ import annotations
@@ -169,6 +170,28 @@ def resolve_media_path(raw_path: str, data_root: str | os.PathLike[str]) -> str:
     return os.path.normpath(os.path.join(os.path.abspath(data_root), raw_path))
 
 
+def is_inside_root(media_path: str, data_root: str | os.PathLike[str]) -> bool:
+    """Whether a resolved media path (see :func:`resolve_media_path`) lies inside ``data_root``.
+
+    Symlinks are followed, not judged: the normalised path is the one that is opened, and a link found under the
+    root (say ``Video-R1-data/LLaVA-Video-178K -> /mnt/disk2/...``) is part of the root's layout, set up by whoever
+    owns it, so a path through it counts as inside. What is refused is a path that leaves the root by itself
+    (``..``, an absolute path elsewhere). An absolute path that reaches the root through another name (the root or
+    a parent of it is a symlink) counts as inside too: both sides are compared with symlinks resolved as well.
+    """
+    root = os.path.normpath(os.path.abspath(data_root))
+    if _is_under(os.path.normpath(media_path), root):
+        return True
+    return _is_under(os.path.realpath(media_path), os.path.realpath(root))
+
+
+def _is_under(path: str, root: str) -> bool:
+    try:
+        return os.path.commonpath([path, root]) == root
+    except ValueError:  # different drives (Windows) or a mix of absolute and relative paths
+        return False
+
+
 def _check_field_types(raw: dict[str, Any]) -> None:
     missing = [name for name in REQUIRED_FIELDS if name not in raw]
     if missing:
@@ -185,7 +208,9 @@ def _check_field_types(raw: dict[str, Any]) -> None:
 
 
 def _check_options(raw: dict[str, Any]) -> list[str]:
-    options = raw.get("options", [])
+    options = raw.get("options")
+    if options is None:  # Video-R1 reads options only for multiple choice; other rows may omit them or carry null
+        options = []
     if not isinstance(options, list) or not all(isinstance(option, str) for option in options):
         raise _InvalidRow(f"options must be a list of strings, got {options!r}")
     if raw["problem_type"] == "multiple choice" and not options:
@@ -193,7 +218,7 @@ def _check_options(raw: dict[str, Any]) -> list[str]:
     return options
 
 
-def _validate_row(raw: Any, data_root: str, check_files: bool) -> dict[str, Any]:
+def _validate_row(raw: Any, data_root: str, check_files: bool, allow_outside_root: bool) -> dict[str, Any]:
     """Turn an annotation row into a dataset row, or raise :class:`_InvalidRow`."""
     if not isinstance(raw, dict):
         raise _InvalidRow(f"a row must be a JSON object, got {type(raw).__name__}")
@@ -207,6 +232,11 @@ def _validate_row(raw: Any, data_root: str, check_files: bool) -> dict[str, Any]
     if not isinstance(data_source, str):
         raise _InvalidRow(f"data_source must be a string, got {data_source!r}")
     media_path = resolve_media_path(raw["path"], data_root)
+    if not allow_outside_root and not is_inside_root(media_path, data_root):
+        raise _InvalidRow(
+            f"path {raw['path']!r} leads to {media_path}, outside the data root {data_root}; fix the path or the "
+            "data root, or pass allow_paths_outside_root=True to load_video_r1 to read files outside it"
+        )
     if check_files and not os.path.isfile(media_path):
         raise _InvalidRow(
             f"{raw['data_type']} file {media_path} not found (path {raw['path']!r} resolved against data root "
@@ -271,6 +301,7 @@ def load_video_r1_with_report(
     *,
     on_invalid: OnInvalid = "error",
     check_files: bool = True,
+    allow_paths_outside_root: bool = False,
 ) -> tuple[Dataset, LoadReport]:
     """Load a Video-R1-format annotation file into a TRL-ready dataset, and report the rows that were dropped.
 
@@ -279,6 +310,9 @@ def load_video_r1_with_report(
         data_root: folder that relative media paths are resolved against; defaults to the annotation file's folder.
         on_invalid: ``"error"`` raises on the first invalid row; ``"skip"`` drops invalid rows and reports them.
         check_files: check that every media file exists (one ``stat`` per row).
+        allow_paths_outside_root: read media whose path leads outside ``data_root`` (``../x``, an absolute path
+            elsewhere); such rows are invalid by default. Symlinks under the root are followed either way (see
+            :func:`is_inside_root`).
 
     Returns:
         The dataset, with columns ``prompt, problem_id, problem_type, solution, options, data_type, data_source,
@@ -299,7 +333,7 @@ def load_video_r1_with_report(
     for row_index, raw in enumerate(raw_rows):
         problem_id = raw.get("problem_id") if isinstance(raw, dict) else None
         try:
-            rows.append(_validate_row(raw, root, check_files))
+            rows.append(_validate_row(raw, root, check_files, allow_paths_outside_root))
         except _InvalidRow as invalid:
             if on_invalid == "error":
                 raise RollplexDataError(
@@ -324,17 +358,21 @@ def load_video_r1(
     *,
     on_invalid: OnInvalid = "error",
     check_files: bool = True,
+    allow_paths_outside_root: bool = False,
 ) -> Dataset:
     """Load a Video-R1-format annotation file; like :func:`load_video_r1_with_report`, logging a warning on skips."""
-    dataset, report = load_video_r1_with_report(path, data_root, on_invalid=on_invalid, check_files=check_files)
+    dataset, report = load_video_r1_with_report(
+        path, data_root, on_invalid=on_invalid, check_files=check_files,
+        allow_paths_outside_root=allow_paths_outside_root,
+    )
     if report.num_skipped:
         first_problem_id, first_reason = report.skipped[0]
         logger.warning(
-            "%s: skipped %d invalid row(s), kept %d; first: problem_id=%r, %s",
+            "%s: skipped %d invalid row(s), kept %d; first: %s, %s",
             report.source,
             report.num_skipped,
             report.num_rows,
-            first_problem_id,
+            describe_sample(first_problem_id),
             first_reason,
         )
     return dataset
@@ -349,15 +387,12 @@ def load_image(path: str | os.PathLike[str], sample_id: object = None) -> Image.
     path_str = os.fspath(path)
     where = f"{describe_sample(sample_id)}, image {path_str!r}"
     if not os.path.isfile(path_str):
-        raise RollplexDataError(
-            f"{where}: file not found; check the path / data root, or enable skipping of invalid samples"
-        )
+        raise RollplexDataError(f"{where}: file not found; check the path / data root", skippable=True)
     try:
         with Image.open(path_str) as image:
             image.load()
             return pil_to_rgb(image)
     except (UnidentifiedImageError, OSError, ValueError) as error:
         raise RollplexDataError(
-            f"{where}: cannot read the image ({type(error).__name__}: {error}); replace the file, or enable skipping "
-            f"of invalid samples"
+            f"{where}: cannot read the image ({type(error).__name__}: {error}); replace the file", skippable=True
         ) from error

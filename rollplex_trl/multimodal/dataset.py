@@ -10,7 +10,9 @@ The wrapper sits between the user's dataset (TRL format: a conversational `promp
 TRL's sampler yields each prompt G times in a row and repeats generation batches, so prepared rows are cached.
 
 Invalid rows (missing/undecodable media, over-budget prompts) raise a `RollplexDataError` naming the sample and the
-file, or, with `skip_invalid=True`, are replaced by the next valid row and counted in `num_skipped`.
+file, or, with `skip_invalid=True`, are replaced by a valid row drawn at random (seeded by the row index, so the same
+in every run and on every process) and counted in `num_skipped`. When more than `max_skipped_fraction` of the rows
+read are invalid, training stops: a dataset that broken more likely has a wrong data root, path or format.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import random
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +28,7 @@ from typing import Any
 
 import torch
 
-from rollplex_trl.data.errors import RollplexDataError
+from rollplex_trl.data.errors import RollplexDataError, SampleLabel
 from rollplex_trl.data.video import SampledVideo, VideoSamplingConfig, frames_to_video, load_video
 from rollplex_trl.multimodal.prompt import prepare_prompt
 
@@ -35,6 +38,17 @@ VIDEO_COLUMNS = ("video", "videos")
 IMAGE_COLUMNS = ("image", "images")
 PREPARED_KEY = "rollplex_prompt"
 
+# Seeds the choice of a stand-in for an invalid row. Fixed, so that a row gets the same stand-in in every run and on
+# every process, whatever the order rows are read in; a private `random.Random` leaves the global RNGs alone.
+_STAND_IN_SEED = "rollplex-stand-in"
+# Random draws (with replacement) for a stand-in before falling back to a seeded permutation of all rows, which only
+# a dataset that is almost entirely invalid needs (and which ends, unlike drawing, when no row is valid).
+_MAX_STAND_IN_DRAWS = 64
+# The skipped fraction is compared with `max_skipped_fraction` only once this many rows were read (or every row of a
+# smaller dataset): before that, one bad file among the first few rows would read as a broken dataset.
+MIN_ROWS_FOR_SKIPPED_FRACTION = 20
+_LISTED_SKIPS = 5  # skipped samples quoted in the error that stops training
+
 
 @dataclass
 class MediaOptions:
@@ -43,6 +57,8 @@ class MediaOptions:
     sampling: VideoSamplingConfig
     max_prompt_length: int | None = None
     skip_invalid: bool = False
+    # with skip_invalid: the largest fraction of rows read that may be invalid before training stops
+    max_skipped_fraction: float = 0.05
     cache_size: int = 64
     chat_template: str | None = None
     chat_template_kwargs: dict | None = None
@@ -64,11 +80,51 @@ def has_video_column(dataset: Any) -> bool:
     return has_column(dataset, VIDEO_COLUMNS)
 
 
-def _sample_id(row: dict, index: int) -> str:
+def _sample_id(row: dict, index: int) -> SampleLabel:
+    """How messages name a row, e.g. `problem_id=100 (row 0)` (they read `sample problem_id=100 (row 0): ...`)."""
     for key in ("problem_id", "id", "sample_id"):
         if row.get(key) is not None:
-            return f"{row[key]} (row {index})"
-    return f"row {index}"
+            return SampleLabel(f"{key}={row[key]!r} (row {index})")
+    return SampleLabel(f"row {index}")
+
+
+def _skip_reason(error: RollplexDataError) -> str:
+    """The error without its advice to enable skipping, which is already on where this is recorded."""
+    return getattr(error, "reason", str(error))
+
+
+def _check_skipped_fraction(skipped: dict, rows_read: int, options: MediaOptions, total: int | None) -> None:
+    """Stop once more than `options.max_skipped_fraction` of the dataset is known to be invalid.
+
+    `total` is the dataset's length: then the invalid rows found must exceed the limit times `total`, which is
+    certain, not an estimate (a sample of the first rows read would stop a run with 3% bad rows at a 5% limit now
+    and then). A stream's length is unknown (None): its fraction among the `rows_read` distinct rows is judged from
+    `MIN_ROWS_FOR_SKIPPED_FRACTION` rows on.
+    """
+    limit = options.max_skipped_fraction
+    if total is not None:
+        exceeded = len(skipped) > limit * total
+    else:
+        exceeded = rows_read >= MIN_ROWS_FOR_SKIPPED_FRACTION and len(skipped) > limit * rows_read
+    if not exceeded:
+        return
+    listed = "\n  ".join(list(skipped.values())[:_LISTED_SKIPS])
+    of_what = f"the {total} samples of the dataset" if total is not None else f"the {rows_read} samples read so far"
+    raise RollplexDataError(
+        f"{len(skipped)} of {of_what} are invalid ({'at least ' if total is not None else ''}"
+        f"{len(skipped) / (total or rows_read):.0%}), more "
+        f"than rollplex_max_skipped_fraction={limit} allows; so many usually means a wrong data root, path or format "
+        f"rather than a few broken files. The first skipped samples:\n  {listed}\nFix the data, or raise "
+        "rollplex_max_skipped_fraction (1.0 never stops) to train on the valid samples anyway."
+    )
+
+
+def _all_invalid_error(what: str, skipped: dict) -> RollplexDataError:
+    listed = "\n  ".join(list(skipped.values())[:_LISTED_SKIPS])
+    return RollplexDataError(
+        f"{what} invalid, so rollplex_skip_invalid_samples has no valid sample to stand in for them. The first "
+        f"problems:\n  {listed}\nCheck the data root and the media paths."
+    )
 
 
 class MediaPreparer:
@@ -94,8 +150,8 @@ class MediaPreparer:
             raise RollplexDataError(
                 f"{prepared.describe()}: the prompt has {prepared.num_prompt_tokens} tokens "
                 f"({prepared.num_visual_tokens} of them visual), over rollplex_max_prompt_length={budget}. Raise the "
-                "budget, lower rollplex_video_max_frames / rollplex_video_max_pixels, or set "
-                "rollplex_skip_invalid_samples=True to skip such samples."
+                "budget, lower rollplex_video_max_frames / rollplex_video_max_pixels",
+                skippable=True,
             )
         # TRL treats `image`/`images` columns as its own image inputs: remove them (the pixels are in the prepared
         # prompt). `video`/`videos` stay, so reward functions still see which file a completion answered.
@@ -118,7 +174,8 @@ class MediaPreparer:
 
             return load_image(str(value), sample_id=sample_id)
         if value is None:
-            raise RollplexDataError(f"sample {sample_id}: the image column is empty for this row")
+            raise RollplexDataError(f"sample {sample_id}: the image column is empty for this row; fill it",
+                                    skippable=True)
         return value
 
 
@@ -137,6 +194,7 @@ class PreparedPromptDataset(torch.utils.data.Dataset):
         self.preparer = self.preparer_cls(processor, options)
         self._cache: OrderedDict[int, dict] = OrderedDict()
         self._substitute: dict[int, int] = {}  # invalid row -> the valid row that stands in for it
+        self._valid: set[int] = set()  # rows read and found valid (with `skipped`: every distinct row read)
         self.skipped: dict[int, str] = {}  # invalid row -> reason
 
     def __len__(self) -> int:
@@ -145,6 +203,12 @@ class PreparedPromptDataset(torch.utils.data.Dataset):
     @property
     def num_skipped(self) -> int:
         return len(self.skipped)
+
+    @property
+    def skipped_fraction(self) -> float:
+        """Invalid rows among the distinct rows read so far (0.0 before any row was read)."""
+        rows_read = len(self._valid) + len(self.skipped)
+        return len(self.skipped) / rows_read if rows_read else 0.0
 
     def __getitem__(self, index: int) -> dict:
         index = int(index)
@@ -161,23 +225,44 @@ class PreparedPromptDataset(torch.utils.data.Dataset):
     def _read_valid(self, index: int) -> dict:
         if not self.options.skip_invalid:
             return self._prepare(index)
-        n = len(self.base)
-        candidate = self._substitute.get(index, index)
-        for _ in range(n):
-            if candidate in self.skipped:
-                candidate = (candidate + 1) % n
-                continue
-            try:
-                row = self._prepare(candidate)
-            except RollplexDataError as err:
-                self.skipped[candidate] = str(err)
-                logger.warning("skipping invalid sample (%d skipped so far): %s", len(self.skipped), err)
-                candidate = (candidate + 1) % n
-                continue
-            self._substitute[index] = candidate
+        if index in self._substitute:  # read before (its row left the cache): the same stand-in again
+            return self._prepare(self._substitute[index])
+        row = self._try_prepare(index)
+        if row is not None:
             return row
-        raise RollplexDataError(f"every one of the {n} samples is invalid; the first problem: "
-                                f"{next(iter(self.skipped.values()))}")
+        # The first valid row among seeded random draws is uniform over the valid rows: each stand-in is drawn
+        # independently, so a block of invalid rows spreads over the dataset instead of repeating its next row.
+        for candidate in self._stand_in_candidates(index):
+            row = self._try_prepare(candidate)
+            if row is not None:
+                self._substitute[index] = candidate
+                return row
+        raise _all_invalid_error(f"all {len(self.base)} samples are", self.skipped)
+
+    def _stand_in_candidates(self, index: int):
+        """Rows to try, in order, as the stand-in for invalid row `index`: the same sequence in every run."""
+        n = len(self.base)
+        rng = random.Random(f"{_STAND_IN_SEED}:{index}")  # str seeds are hashed with SHA-512: stable across runs
+        for _ in range(_MAX_STAND_IN_DRAWS):
+            yield rng.randrange(n)
+        order = list(range(n))
+        rng.shuffle(order)
+        yield from order
+
+    def _try_prepare(self, index: int) -> dict | None:
+        """The prepared row, or None for an invalid row (recorded in `skipped`, counted against the limit)."""
+        if index in self.skipped:
+            return None
+        try:
+            row = self._prepare(index)
+        except RollplexDataError as err:
+            self.skipped[index] = _skip_reason(err)
+            logger.warning("skipping invalid sample (%d skipped so far): %s", len(self.skipped), _skip_reason(err))
+            row = None
+        else:
+            self._valid.add(index)
+        _check_skipped_fraction(self.skipped, len(self._valid) + len(self.skipped), self.options, len(self.base))
+        return row
 
     def _prepare(self, index: int) -> dict:
         row = dict(self.base[index])
@@ -204,18 +289,28 @@ class StreamPreparer:
     repeated), so no map-style wrapper can sit in front of it; the rows are prepared when a generation batch reaches
     the trainer. Identical rows share one prepared row (media decoded once per prompt), and an LRU of recent rows
     serves the repeats of later steps. With `skip_invalid`, an invalid prompt's rows are replaced by the rows of a
-    valid prompt of the same batch (group structure kept) and counted; otherwise the error names the sample.
+    valid prompt drawn at random (seeded by the row's content) from the same batch, or, when the whole batch is
+    invalid, from the recently prepared prompts (group structure kept), and counted; otherwise the error names the
+    sample. The skipped fraction is checked against `max_skipped_fraction` as for map-style datasets, from
+    `MIN_ROWS_FOR_SKIPPED_FRACTION` distinct rows on (a stream's length is unknown).
     """
 
     def __init__(self, preparer: MediaPreparer, options: MediaOptions) -> None:
         self.preparer = preparer
         self.options = options
         self._cache: OrderedDict[tuple, dict] = OrderedDict()
+        self._valid: set[str] = set()  # digests of the distinct valid rows read (keys would hold every prompt)
         self.skipped: dict[tuple, str] = {}
 
     @property
     def num_skipped(self) -> int:
         return len(self.skipped)
+
+    @property
+    def skipped_fraction(self) -> float:
+        """Invalid rows among the distinct rows read so far (0.0 before any row was read)."""
+        rows_read = len(self._valid) + len(self.skipped)
+        return len(self.skipped) / rows_read if rows_read else 0.0
 
     def prepare_batch(self, rows: list[dict]) -> list[dict]:
         keys = [_row_key(row) for row in rows]
@@ -232,27 +327,40 @@ class StreamPreparer:
             except RollplexDataError as err:
                 if not self.options.skip_invalid:
                     raise
-                self.skipped[key] = str(err)
-                logger.warning("skipping invalid sample (%d skipped so far): %s", len(self.skipped), err)
-                continue
-            self._cache[key] = ready[key]
-            while len(self._cache) > max(1, self.options.cache_size):
-                self._cache.popitem(last=False)
-        valid = list(ready)
-        if not valid:
-            raise RollplexDataError(f"every sample of this generation batch is invalid; the first problem: "
-                                    f"{self.skipped[keys[0]]}")
+                self.skipped[key] = _skip_reason(err)
+                logger.warning("skipping invalid sample (%d skipped so far): %s", len(self.skipped), _skip_reason(err))
+            else:
+                self._valid.add(_key_digest(key))
+                self._cache[key] = ready[key]
+                while len(self._cache) > max(1, self.options.cache_size):
+                    self._cache.popitem(last=False)
+            _check_skipped_fraction(self.skipped, len(self._valid) + len(self.skipped), self.options, None)
         invalid = list(dict.fromkeys(k for k in keys if k not in ready))
-        stand_in = {key: valid[i % len(valid)] for i, key in enumerate(invalid)}
+        if invalid:
+            ready.update(self._stand_ins(invalid, ready))
         # a shallow copy per row (TRL adds nothing to rows, but callers may); the PreparedPrompt itself is shared
-        return [dict(ready[stand_in.get(key, key)]) for key in keys]
+        return [dict(ready[key]) for key in keys]
+
+    def _stand_ins(self, invalid: list[tuple], ready: dict[tuple, dict]) -> dict[tuple, dict]:
+        """A valid prepared row for each invalid key, drawn uniformly from the batch's valid prompts (or, if it has
+        none, from the cached ones); seeded by the key's content, so a row gets the same stand-in in every run."""
+        pool = list(ready.values()) or list(self._cache.values())
+        if not pool:
+            raise _all_invalid_error("all prompts of this generation batch are", {k: self.skipped[k] for k in invalid})
+        return {key: pool[random.Random(f"{_STAND_IN_SEED}:{_key_digest(key)}").randrange(len(pool))]
+                for key in invalid}
 
 
-def _stream_sample_id(row: dict) -> str:
+def _stream_sample_id(row: dict) -> SampleLabel:
     for key in ("problem_id", "id", "sample_id"):
         if row.get(key) is not None:
-            return f"{row[key]} (streamed)"
-    return "a streamed row (no problem_id/id column)"
+            return SampleLabel(f"{key}={row[key]!r} (streamed)")
+    return SampleLabel("without problem_id/id (streamed)")
+
+
+def _key_digest(key: tuple) -> str:
+    """A digest of a content key that is the same in every process (`hash()` of strings is salted per process)."""
+    return hashlib.sha1(repr(key).encode()).hexdigest()
 
 
 def _row_key(row: dict) -> tuple:

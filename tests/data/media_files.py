@@ -26,10 +26,14 @@ def encoder_for(container_suffix: str) -> str:
     pytest.skip(f"no usable video encoder for {container_suffix} in this PyAV build")
 
 
-def write_video(path: Path, frames: np.ndarray, fps: int) -> Path:
-    """Encode uint8 (T, H, W, 3) RGB frames with PyAV, independently of the code under test."""
+def write_video(path: Path, frames: np.ndarray, fps: int, faststart: bool = False) -> Path:
+    """Encode uint8 (T, H, W, 3) RGB frames with PyAV, independently of the code under test.
+
+    ``faststart=True`` puts an MP4's index (moov atom) before the data, as files prepared for streaming have it.
+    """
     codec = encoder_for(path.suffix)
-    with av.open(str(path), mode="w") as container:
+    options = {"movflags": "faststart"} if faststart else {}
+    with av.open(str(path), mode="w", options=options) as container:
         stream = container.add_stream(codec, rate=fps)
         stream.height, stream.width = frames.shape[1], frames.shape[2]
         stream.pix_fmt = "yuv420p"
@@ -43,6 +47,20 @@ def write_video(path: Path, frames: np.ndarray, fps: int) -> Path:
         for packet in stream.encode(None):
             container.mux(packet)
     return path
+
+
+def truncate_at_packet(path: Path, out: Path, fraction: float = 0.5) -> Path:
+    """Copy of ``path`` cut after the video packet that ends nearest ``fraction`` of its bytes.
+
+    A cut between packets (not inside one) is what makes a truncated faststart MP4 decode its first frames without
+    any decoder error, the case a loader must catch by counting frames.
+    """
+    data = path.read_bytes()
+    with av.open(str(path)) as container:
+        ends = [p.pos + p.size for p in container.demux(video=0) if p.size and p.pos is not None]
+    cut = min(ends, key=lambda end: abs(end - fraction * len(data)))
+    out.write_bytes(data[:cut])
+    return out
 
 
 def numbered_frames(num_frames: int, height: int = 56, width: int = 84) -> np.ndarray:

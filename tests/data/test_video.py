@@ -21,7 +21,7 @@ from rollplex_trl.data import (
     smart_resize,
 )
 
-from media_files import grey_level, write_video
+from media_files import grey_level, numbered_frames, truncate_at_packet, write_video
 
 # ---------------------------------------------------------------------------------------------------------------------
 # smart_resize
@@ -78,8 +78,15 @@ def test_smart_nframes_matches_qwen_vl_utils(total_frames, video_fps, expected):
 
 def test_smart_nframes_explicit_count_and_too_short_video():
     assert smart_nframes(30, 10, VideoSamplingConfig(nframes=7)) == 8  # round_by_factor(7, 2) = round(3.5) * 2
-    with pytest.raises(RollplexDataError, match="cannot sample 0 frames from a video of 1 frames"):
+    with pytest.raises(RollplexDataError) as caught:
         smart_nframes(1, 10, VideoSamplingConfig(), where="sample problem_id=3")
+    message = str(caught.value)
+    assert message.startswith("sample problem_id=3: the video has 1 frame(s), fewer than the 2 the model needs")
+    # no option of the trainer helps a 1-frame video: the advice is to replace or skip it, never `nframes`
+    assert "nframes" not in message and "rollplex_skip_invalid_samples=True" in message
+    # an explicit nframes (an API setting) is named when it is the cause
+    with pytest.raises(RollplexDataError, match=r"VideoSamplingConfig.nframes=12\) from a video of 10 frames"):
+        smart_nframes(10, 10, VideoSamplingConfig(nframes=12))
 
 
 @pytest.mark.parametrize(
@@ -198,7 +205,7 @@ def test_missing_video_names_sample_and_path(tmp_path):
         load_video(missing, sample_id=42)
     message = str(caught.value)
     assert "problem_id=42" in message and str(missing) in message
-    assert "check the path / data root" in message and "skipping" in message
+    assert "check the path / data root" in message and "rollplex_skip_invalid_samples=True" in message
 
 
 def test_corrupt_video_names_sample_path_and_pyav_error(tmp_path):
@@ -261,19 +268,76 @@ def test_frames_to_video_errors_name_the_sample():
         frames_to_video([np.zeros((28, 28, 3), np.uint8), "x"], 2.0)
 
 
-def test_load_video_recovers_from_a_wrong_container_frame_count(make_numbered_video, monkeypatch):
-    # Containers can report more frames than decode (truncated files, edit lists); the decoded count wins.
+def _overcounting_probe(monkeypatch, extra_frames: int) -> None:
+    """Make the container seem to declare `extra_frames` more frames than the file holds."""
+    import dataclasses
+
     import rollplex_trl.data.video as video_module
 
-    path = make_numbered_video(24, 4)
     real_probe = video_module._probe
 
     def overcounting_probe(*args, **kwargs):
         probe = real_probe(*args, **kwargs)
-        return video_module._ProbeResult(probe.video_fps, probe.estimated_frames + 6)
+        return dataclasses.replace(probe, estimated_frames=probe.estimated_frames + extra_frames)
 
     monkeypatch.setattr(video_module, "_probe", overcounting_probe)
+
+
+@pytest.mark.parametrize(("num_frames", "extra_frames"), [(24, 2), (40, 4), (4, 2)])
+def test_load_video_recovers_from_a_slightly_wrong_container_frame_count(
+    make_numbered_video, monkeypatch, num_frames, extra_frames
+):
+    # Containers can report a few more frames than decode (edit lists, a damaged last GOP); the decoded count wins.
+    # Tolerated: up to max(2, 10% of the declared count) missing: 2 of 26, 4 of 44, 2 of 6.
+    path = make_numbered_video(num_frames, 4)
+    _overcounting_probe(monkeypatch, extra_frames)
     video = load_video(path)
-    assert video.total_frames == 24
-    assert video.frame_indices == [0, 2, 4, 6, 8, 10, 13, 15, 17, 19, 21, 23]
+    assert video.total_frames == num_frames
+    expected = {24: [0, 2, 4, 6, 8, 10, 13, 15, 17, 19, 21, 23], 4: [0, 1, 2, 3],
+                40: [0, 3, 5, 8, 10, 13, 16, 18, 21, 23, 26, 29, 31, 34, 36, 39]}[num_frames]
+    assert video.frame_indices == expected
     assert_frames_are(video, video.frame_indices)
+
+
+def test_load_video_refuses_a_container_count_far_above_what_decodes(make_numbered_video, monkeypatch):
+    path = make_numbered_video(24, 4)
+    _overcounting_probe(monkeypatch, 6)  # 24 of 30 decode: 6 missing > max(2, 3)
+    with pytest.raises(RollplexDataError, match="declares 30 frames but only 24 decode; the file looks truncated"):
+        load_video(path, sample_id=9)
+
+
+def test_truncated_faststart_mp4_is_refused(tmp_path):
+    # A faststart MP4 keeps its index at the front, so a copy cut in half still opens and declares every frame; only
+    # the frames whose data survived decode.
+    whole = write_video(tmp_path / "whole.mp4", numbered_frames(40), fps=5, faststart=True)
+    data = whole.read_bytes()
+    assert data[4:8] == b"ftyp" and data.index(b"moov") < data.index(b"mdat")  # really faststart
+    cut = truncate_at_packet(whole, tmp_path / "cut.mp4", fraction=0.5)
+    with av.open(str(cut)) as container:
+        assert container.streams.video[0].frames == 40  # the index survived the cut
+        decodable = sum(1 for _ in container.decode(video=0))  # no decoder error: the cut is between packets
+    assert 10 <= decodable <= 30 and abs(cut.stat().st_size - len(data) / 2) < len(data) / 8
+
+    assert load_video(whole).total_frames == 40
+    with pytest.raises(RollplexDataError) as caught:
+        load_video(cut, sample_id=77)
+    message = str(caught.value)
+    assert "problem_id=77" in message and str(cut) in message
+    assert "declares 40 frames" in message and "truncated or corrupt" in message
+
+
+@pytest.mark.parametrize("num_frames", [2, 3, 8, 13, 24, 40])
+@pytest.mark.parametrize("fps", [1, 4, 30])
+def test_files_from_the_repo_writers_load_whole(tmp_path, num_frames, fps):
+    # The truncation check must not refuse what this repo's own writers produce (PyAV encodes, PyAV counts).
+    from rollplex_trl.data.synthetic import write_mp4
+
+    frames = numbered_frames(num_frames)
+    write_mp4(tmp_path / "synthetic.mp4", frames, fps)
+    write_video(tmp_path / "tests.mp4", frames, fps)
+    write_video(tmp_path / "faststart.mp4", frames, fps, faststart=True)
+    for name in ("synthetic.mp4", "tests.mp4", "faststart.mp4"):
+        with av.open(str(tmp_path / name)) as container:
+            declared = container.streams.video[0].frames
+        video = load_video(tmp_path / name)
+        assert declared == video.total_frames == num_frames, name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -290,3 +291,102 @@ def test_load_image(data_root):
     corrupt.write_bytes(np.random.default_rng(0).integers(0, 256, 512, dtype=np.uint8).tobytes())
     with pytest.raises(RollplexDataError, match=r"problem_id=12.*corrupt\.png.*cannot read the image"):
         load_image(corrupt, sample_id=12)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Paths outside the data root
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def outside_clip(data_root: Path, tmp_path_factory) -> Path:
+    """A real video in a folder that is not under ``data_root`` (a sibling temp folder)."""
+    folder = tmp_path_factory.mktemp("elsewhere")
+    clip = write_video(folder / "secret.mp4", numbered_frames(8), fps=4)
+    assert not clip.resolve().is_relative_to(data_root.resolve())
+    return clip
+
+
+def _escaping_rows(data_root: Path, outside_clip: Path) -> list[dict]:
+    rows = make_rows(data_root)[:2]
+    relative_escape = os.path.relpath(outside_clip, data_root)  # "../elsewhere0/secret.mp4"
+    assert relative_escape.startswith("..") and (data_root / relative_escape).resolve() == outside_clip.resolve()
+    rows.append(dict(rows[0], problem_id=20, path=relative_escape))
+    rows.append(dict(rows[0], problem_id=21, path=str(outside_clip)))
+    return rows
+
+
+@pytest.mark.parametrize(("which", "problem_id"), [(2, 20), (3, 21)], ids=["relative-escape", "absolute-outside"])
+def test_paths_outside_the_data_root_are_refused(data_root, outside_clip, which, problem_id):
+    rows = _escaping_rows(data_root, outside_clip)
+    annotation = write_json(data_root / "escape.json", [rows[0], rows[which]])
+    with pytest.raises(RollplexDataError) as caught:
+        load_video_r1(annotation)
+    message = str(caught.value)
+    assert f"sample problem_id={problem_id} (row 1)" in message
+    assert repr(rows[which]["path"]) in message and str(outside_clip) in message  # as written, and where it leads
+    assert f"outside the data root {data_root}" in message and "allow_paths_outside_root=True" in message
+
+    dataset, report = load_video_r1_with_report(annotation, on_invalid="skip")
+    assert dataset["problem_id"] == [10] and [pid for pid, _ in report.skipped] == [problem_id]
+
+
+def test_paths_outside_the_data_root_can_be_allowed(data_root, outside_clip):
+    annotation = write_json(data_root / "escape.json", _escaping_rows(data_root, outside_clip))
+    dataset = load_video_r1(annotation, allow_paths_outside_root=True)
+    assert dataset["video"][2:] == [str(outside_clip), str(outside_clip)]
+    _, report = load_video_r1_with_report(annotation, allow_paths_outside_root=True)
+    assert report.num_skipped == 0
+
+
+def test_paths_inside_the_data_root_are_kept(data_root):
+    rows = make_rows(data_root)
+    rows[0]["path"] = str(data_root / "videos" / "clip.mp4")  # absolute, inside
+    rows[1]["path"] = "images/../images/chart.png"  # ".." that stays inside
+    dataset = load_video_r1(write_json(data_root / "inside.json", rows))
+    assert dataset["video"][0] == str(data_root / "videos" / "clip.mp4")
+    assert dataset["image"][1] == str(data_root / "images" / "chart.png")
+
+
+def test_symlinks_under_the_root_are_followed(data_root, outside_clip, tmp_path_factory):
+    # A link inside the root (e.g. a dataset folder on another disk) is part of the root's layout: allowed.
+    (data_root / "other-disk").symlink_to(outside_clip.parent, target_is_directory=True)
+    rows = make_rows(data_root)[:1]
+    rows[0]["path"] = "./other-disk/secret.mp4"
+    dataset = load_video_r1(write_json(data_root / "linked.json", rows))
+    assert dataset["video"] == [str(data_root / "other-disk" / "secret.mp4")]
+    # The root reached through another name (a symlink to it): an absolute path by its real name is inside.
+    alias = tmp_path_factory.mktemp("alias") / "root-link"
+    alias.symlink_to(data_root, target_is_directory=True)
+    rows[0]["path"] = str(data_root / "videos" / "clip.mp4")
+    assert len(load_video_r1(write_json(data_root / "aliased.json", rows), data_root=alias)) == 1
+    # ... but a link does not make ".." acceptable: the normalised path, the one opened, leaves the root.
+    rows[0]["path"] = "./other-disk/../../elsewhere.mp4"
+    with pytest.raises(RollplexDataError, match="outside the data root"):
+        load_video_r1(write_json(data_root / "dotdot.json", rows), check_files=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Options and labels
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_null_options_are_accepted_outside_multiple_choice(data_root):
+    rows = make_rows(data_root)
+    rows[1]["options"] = None  # numerical: Video-R1 never reads its options
+    rows[4]["options"] = None  # regression
+    dataset = load_video_r1(write_json(data_root / "null-options.json", rows))
+    assert dataset["options"][1] == [] and dataset["options"][4] == []
+    assert dataset[1]["prompt"][0]["content"][1]["text"] == EXPECTED_NUMERICAL_TEXT
+
+    rows[0]["options"] = None  # multiple choice needs them
+    with pytest.raises(RollplexDataError, match="problem_id=10 \\(row 0\\).*needs a non-empty options list"):
+        load_video_r1(write_json(data_root / "null-mc.json", rows))
+
+
+def test_skip_warning_names_the_sample_naturally(data_root, caplog):
+    rows = make_rows(data_root)
+    rows[1]["problem_type"] = "yes/no"
+    with caplog.at_level(logging.WARNING, logger="rollplex_trl.data.video_r1"):
+        load_video_r1(write_json(data_root / "warn.json", rows), on_invalid="skip")
+    assert "first: sample problem_id=11, row 1: unknown problem_type" in caplog.text
