@@ -5,6 +5,8 @@ Every field has a `help` text and a default that is safe: exact, and never slowe
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -36,7 +38,8 @@ class RollplexGRPOConfig(GRPOConfig):
             drop visual tokens and desynchronise them from the pixel inputs.
         rollplex_skip_invalid_samples (`bool`, defaults to `False`): skip samples whose video or image is missing
             or undecodable, or whose prompt exceeds the budget, instead of raising. Skipped samples are replaced by
-            the next valid one and counted in the `rollplex/skipped_samples` metric.
+            a valid sample drawn uniformly (seeded: the same in every run and on every process) and counted in the
+            `rollplex/skipped_samples` and `rollplex/skipped_fraction` metrics; see `rollplex_max_skipped_fraction`.
         rollplex_media_cache_size (`int`, defaults to `64`): prepared prompts (decoded frames and processor output)
             kept in memory, so that the G copies of a prompt and the repeated generation batches decode once.
     """
@@ -73,8 +76,10 @@ class RollplexGRPOConfig(GRPOConfig):
     )
     rollplex_overlap_threads: int = field(
         default=0,
-        metadata={"help": "CPU only: intra-op threads of the prefix worker (0: half the cores); the decoding thread "
-                  "keeps its own count."},
+        metadata={"help": "CPU only: intra-op threads of the prefix worker while the rollout decodes. 0: the "
+                  "trainer's own count (exact: the serial schedule's numbers; the cores are oversubscribed during the "
+                  "window). n > 0: the worker takes n and decoding the rest; faster on CPU, but a different thread "
+                  "count can round reductions differently, so results may differ from the serial schedule."},
     )
     rollplex_overlap_timeout_s: float = field(
         default=600.0,
@@ -117,7 +122,16 @@ class RollplexGRPOConfig(GRPOConfig):
         default=False,
         metadata={
             "help": "Skip samples with a missing or undecodable video/image or an over-budget prompt instead of "
-            "raising. Each skipped sample is replaced by the next valid one and counted in rollplex/skipped_samples."
+            "raising. Each skipped sample is replaced by a valid sample drawn uniformly (seeded, reproducible) and "
+            "counted in rollplex/skipped_samples and rollplex/skipped_fraction."
+        },
+    )
+    rollplex_max_skipped_fraction: float = field(
+        default=0.05,
+        metadata={
+            "help": "With rollplex_skip_invalid_samples: the largest fraction of the rows read that may be invalid. "
+            "Above it training stops with an error listing the first skipped samples (a dataset that bad is more "
+            "likely a wrong path or format than a few broken files). 1.0 never stops."
         },
     )
     rollplex_media_cache_size: int = field(
@@ -129,8 +143,8 @@ class RollplexGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self) -> None:
+        _validate(self)  # first: a bad rollplex_* value is reported as such, whatever else is wrong
         super().__post_init__()
-        _validate(self)
 
 
 def rollplex_field_names() -> list[str]:
@@ -147,33 +161,108 @@ def rollplex_options(args: Any) -> dict[str, Any]:
 
 # vLLM's dtype names (ModelConfig.dtype)
 _VLLM_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+# A sampled frame is at least one 28x28 patch (ViT patch 14 x spatial merge 2); Qwen2.5-VL merges 2 frames per
+# temporal patch, so a video needs at least 2 sampled frames.
+_MIN_FRAME_PIXELS = 28 * 28
+_FRAME_FACTOR = 2
+
+_TRUE_WORDS, _FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """How one rollplex_* value is read and checked: its kind, and the allowed range in words and as a test."""
+
+    kind: str  # "mode" (auto/on/off), "choice", "bool", "int", "float", "optional_int"
+    allowed: str
+    ok: Callable[[Any], bool] = lambda value: True
+    choices: tuple[str, ...] = ()
+
+
+_MODES = ("auto", "on", "off")
+_RULES: dict[str, _Rule] = {
+    "rollplex_share_prefix": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
+    "rollplex_overlap": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
+    "rollplex_prefix_chunk_prompts": _Rule("int", "an integer >= 1", lambda v: v >= 1),
+    "rollplex_vllm_dtype": _Rule("choice", f"one of {_VLLM_DTYPES}", choices=_VLLM_DTYPES),
+    "rollplex_overlap_threads": _Rule("int", "an integer >= 0 (0: the trainer's own count)", lambda v: v >= 0),
+    "rollplex_overlap_timeout_s": _Rule("float", "a finite number of seconds > 0", lambda v: v > 0),
+    "rollplex_timeline": _Rule("bool", "true or false"),
+    "rollplex_memory_ledger": _Rule("bool", "true or false"),
+    "rollplex_video_fps": _Rule("float", "a finite number > 0", lambda v: v > 0),
+    "rollplex_video_min_frames": _Rule("int", "an integer >= 1", lambda v: v >= 1),
+    "rollplex_video_max_frames": _Rule(
+        "int", f"an integer >= {_FRAME_FACTOR} (Qwen2.5-VL merges {_FRAME_FACTOR} frames per temporal patch)",
+        lambda v: v >= _FRAME_FACTOR),
+    "rollplex_video_min_pixels": _Rule("int", "an integer >= 1", lambda v: v >= 1),
+    "rollplex_video_max_pixels": _Rule(
+        "int", f"an integer >= {_MIN_FRAME_PIXELS} (one 28x28 patch: ViT patch 14 x spatial merge 2)",
+        lambda v: v >= _MIN_FRAME_PIXELS),
+    "rollplex_max_prompt_length": _Rule("optional_int", "None or an integer >= 1", lambda v: v is None or v >= 1),
+    "rollplex_skip_invalid_samples": _Rule("bool", "true or false"),
+    "rollplex_max_skipped_fraction": _Rule("float", "a number in [0, 1]", lambda v: 0 <= v <= 1),
+    "rollplex_media_cache_size": _Rule("int", "an integer >= 0", lambda v: v >= 0),
+}
+
+
+def _read(name: str, value: Any, rule: _Rule) -> Any:
+    """`value` as the field's type (YAML and command lines give strings, YAML 1.1 reads on/off as booleans), or a
+    ValueError naming the field and what it allows. Never a silent reinterpretation: "false" is False, not truthy."""
+    def bad() -> ValueError:
+        return ValueError(f"{name} must be {rule.allowed}, got {value!r} ({type(value).__name__})")
+
+    text = value.strip().lower() if isinstance(value, str) else None
+    if rule.kind == "mode":
+        if isinstance(value, bool):  # `rollplex_overlap: off` in a YAML file arrives as False
+            return "on" if value else "off"
+        if text in rule.choices:
+            return text
+        raise bad()
+    if rule.kind == "choice":
+        if text in rule.choices:
+            return text
+        raise bad()
+    if rule.kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if text in _TRUE_WORDS or (isinstance(value, int) and value == 1):
+            return True
+        if text in _FALSE_WORDS or (isinstance(value, int) and value == 0):
+            return False
+        raise bad()
+    if rule.kind == "optional_int" and (value is None or text in ("none", "null")):
+        return None
+    if isinstance(value, bool):  # True is an int to Python, never a count here
+        raise bad()
+    try:
+        if rule.kind == "float":
+            number = float(value)
+            if not math.isfinite(number):
+                raise bad()
+            return number
+        if isinstance(value, float) and not value.is_integer():
+            raise bad()
+        return int(text) if text is not None else int(value)
+    except (TypeError, ValueError) as err:
+        if isinstance(err, ValueError) and str(err).startswith(name):
+            raise
+        raise bad() from None
 
 
 def _validate(cfg: RollplexGRPOConfig) -> None:
-    if cfg.rollplex_share_prefix not in ("auto", "on", "off"):
-        raise ValueError(f"rollplex_share_prefix must be 'auto', 'on' or 'off', got {cfg.rollplex_share_prefix!r}")
-    if cfg.rollplex_overlap not in ("auto", "on", "off"):
-        raise ValueError(f"rollplex_overlap must be 'auto', 'on' or 'off', got {cfg.rollplex_overlap!r}")
-    if cfg.rollplex_overlap_threads < 0 or cfg.rollplex_overlap_timeout_s <= 0:
-        raise ValueError("rollplex_overlap_threads must be >= 0 and rollplex_overlap_timeout_s > 0, got "
-                         f"{cfg.rollplex_overlap_threads} and {cfg.rollplex_overlap_timeout_s}")
-    if cfg.rollplex_vllm_dtype not in _VLLM_DTYPES:
-        raise ValueError(f"rollplex_vllm_dtype must be one of {_VLLM_DTYPES}, got {cfg.rollplex_vllm_dtype!r}")
-    if cfg.rollplex_prefix_chunk_prompts < 1:
-        raise ValueError(f"rollplex_prefix_chunk_prompts must be >= 1, got {cfg.rollplex_prefix_chunk_prompts}")
-    if cfg.rollplex_video_fps <= 0:
-        raise ValueError(f"rollplex_video_fps must be > 0, got {cfg.rollplex_video_fps}")
-    if not 1 <= cfg.rollplex_video_min_frames <= cfg.rollplex_video_max_frames:
+    """Read every rollplex_* value as its type and check its range, naming the field; then the cross-field rules."""
+    for name, rule in _RULES.items():
+        value = _read(name, getattr(cfg, name), rule)
+        if not rule.ok(value):
+            raise ValueError(f"{name} must be {rule.allowed}, got {getattr(cfg, name)!r}")
+        setattr(cfg, name, value)
+    if cfg.rollplex_video_min_frames > cfg.rollplex_video_max_frames:
         raise ValueError(
-            "need 1 <= rollplex_video_min_frames <= rollplex_video_max_frames, got "
+            "need rollplex_video_min_frames <= rollplex_video_max_frames, got "
             f"{cfg.rollplex_video_min_frames} and {cfg.rollplex_video_max_frames}"
         )
-    if not 0 < cfg.rollplex_video_min_pixels <= cfg.rollplex_video_max_pixels:
+    if cfg.rollplex_video_min_pixels > cfg.rollplex_video_max_pixels:
         raise ValueError(
-            "need 0 < rollplex_video_min_pixels <= rollplex_video_max_pixels, got "
+            "need rollplex_video_min_pixels <= rollplex_video_max_pixels, got "
             f"{cfg.rollplex_video_min_pixels} and {cfg.rollplex_video_max_pixels}"
         )
-    if cfg.rollplex_max_prompt_length is not None and cfg.rollplex_max_prompt_length <= 0:
-        raise ValueError(f"rollplex_max_prompt_length must be positive or None, got {cfg.rollplex_max_prompt_length}")
-    if cfg.rollplex_media_cache_size < 0:
-        raise ValueError(f"rollplex_media_cache_size must be >= 0, got {cfg.rollplex_media_cache_size}")

@@ -7,6 +7,9 @@ from pathlib import Path
 
 
 def main(checkpoint: str, out: str, share: str) -> None:
+    """share: "auto"/"off" (rollplex_share_prefix), or "auto-measure": overlap "auto" made to measure on CPU, with
+    the ranks' measurements rigged to disagree (rank 0 would choose ON, rank 1 OFF)."""
+    measure = share == "auto-measure"
     sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "..")]
     from datasets import Dataset
 
@@ -21,18 +24,38 @@ def main(checkpoint: str, out: str, share: str) -> None:
         return [float(len(c[0]["content"]) % 5) for c in completions]
 
     args = RollplexGRPOConfig(
-        output_dir=f"{out}/run-{share}", max_steps=2, per_device_train_batch_size=2, num_generations=2,
+        output_dir=f"{out}/run-{share}", max_steps=4 if measure else 2, per_device_train_batch_size=2,
+        num_generations=2,
         max_completion_length=6, learning_rate=5e-3, beta=0.1, logging_steps=1, report_to=[], seed=5, use_cpu=True,
-        bf16=False, save_strategy="no", ddp_backend="gloo", rollplex_share_prefix=share, rollplex_overlap="off",
+        bf16=False, save_strategy="no", ddp_backend="gloo",
+        rollplex_share_prefix="auto" if measure else share, rollplex_overlap="auto" if measure else "off",
         rollplex_video_min_pixels=4 * 28 * 28, rollplex_video_max_pixels=56 * 84)
+    if measure:
+        RollplexGRPOTrainer.overlap_auto_measures_on_cpu = True
     trainer = RollplexGRPOTrainer(model=checkpoint, reward_funcs=reward, args=args,
                                   train_dataset=Dataset.from_list(rows))
+    if measure:
+        record = trainer._record_window
+
+        def rigged(*a, **k):
+            record(*a, **k)
+            if trainer._training_windows == 2 and not trainer._auto_decided:  # after the serial measurement
+                trainer._auto_serial_s = 1e9 if rank == 0 else 0.0
+
+        trainer._record_window = rigged
     trainer.train()
     model = trainer.accelerator.unwrap_model(trainer.model)
     result = {"world": trainer.accelerator.num_processes, "share_actor": trainer._share_actor,
               "logs": [r for r in trainer.state.log_history if "loss" in r],
               "checksum": float(sum(p.double().sum() for p in model.parameters()))}
     Path(out, f"{share}-rank{rank}.json").write_text(json.dumps(result))
+    # a process group left to the interpreter's exit can abort the process ("terminate called without an active
+    # exception", seen once on a loaded machine): close it while both ranks are still here
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -41,3 +41,12 @@ def test_shared_actor_prefix_under_ddp_learns_the_same(tiny_vl_path, tmp_path):
     for step, (x, y) in enumerate(zip(a, b, strict=True)):
         for key in keys:
             assert x[key] == pytest.approx(y[key], rel=1e-5 if step == 0 else 1e-3, abs=1e-6), (step, key)
+
+
+def test_auto_overlap_decision_is_the_same_on_every_rank(tiny_vl_path, tmp_path):
+    # "auto" made to measure on CPU, with rank 0's measurement saying ON and rank 1's saying OFF: process 0 decides
+    # and broadcasts (before, each rank decided on its own: one ON, the other OFF in the same job).
+    results = _run(tiny_vl_path, tmp_path, "auto-measure", 29585)
+    active = [[r["rollplex/overlap_active"] for r in result["logs"]] for result in results]
+    assert active[0] == active[1] == [0.0, 0.0, 1.0, 1.0]
+    assert results[0]["checksum"] == results[1]["checksum"]

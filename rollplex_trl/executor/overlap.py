@@ -21,9 +21,11 @@ processes share the SMs (start `nvidia-cuda-mps-control -d` before both).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,25 +105,23 @@ class OverlapExecutor:
     def __init__(self, device: torch.device | str, cpu_threads: int = 0, timeout_s: float = 600.0) -> None:
         self.device = torch.device(device)
         self.timeout_s = timeout_s
-        self.cpu_threads = cpu_threads or max(1, torch.get_num_threads() // 2)
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # 0: each job runs with its caller's intra-op thread count. On CPU a different count can split a reduction
+        # differently (fp32 GEMMs with few rows do), so only the caller's count gives the serial path's numbers.
+        self.cpu_threads = cpu_threads
+        self._worker: _DaemonWorker | None = None
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._jobs: list[Job] = []
         self._lock = threading.Lock()
 
-    def _worker_init(self) -> None:
-        if self.device.type == "cpu":
-            torch.set_num_threads(self.cpu_threads)  # per-thread budget: the decoding thread keeps its own
-
-    def _ensure_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="rollplex-prefix", initializer=self._worker_init)
-        return self._pool
+    def _ensure_worker(self) -> _DaemonWorker:
+        if self._worker is None:
+            self._worker = _DaemonWorker()
+        return self._worker
 
     def submit(self, name: str, fn: Callable[[], Any], concurrent_run: bool = True) -> Job:
         """Queue `fn` (jobs run one after another, in submission order) and return its `Job`."""
         job_box: dict[str, Job] = {}
+        caller = CallerState.capture()  # the worker computes under the caller's numerics (autocast, grad mode)
         ready = None
         if self._stream is not None:  # the side stream must see everything queued before the window opened
             ready = torch.cuda.Event()
@@ -131,9 +131,12 @@ class OverlapExecutor:
             start = time.perf_counter()
             try:
                 if self._stream is None:
-                    return fn()
+                    if concurrent_run and self.device.type == "cpu":  # intra-op threads are per thread
+                        torch.set_num_threads(self.cpu_threads or caller.num_threads)
+                    with caller.applied():
+                        return fn()
                 self._stream.wait_event(ready)
-                with torch.cuda.stream(self._stream):
+                with torch.cuda.stream(self._stream), caller.applied():
                     value = fn()
                     event = torch.cuda.Event()
                     event.record(self._stream)
@@ -146,7 +149,7 @@ class OverlapExecutor:
         if concurrent_run:
             job = Job(name, concurrent.futures.Future(), self.timeout_s)
             job_box["job"] = job
-            job.future = self._ensure_pool().submit(run)
+            job.future = self._ensure_worker().submit(run)
         else:
             future = concurrent.futures.Future()
             job = Job(name, future, self.timeout_s)
@@ -192,6 +195,75 @@ class OverlapExecutor:
 
     def close(self) -> None:
         self.abandon()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
+
+
+@dataclass(frozen=True)
+class CallerState:
+    """The thread-local state that decides a computation's numerics, read on the submitting thread.
+
+    PyTorch keeps grad mode, inference mode and autocast (enabled, dtype, weight-cast cache) per thread: a job that
+    ran on a fresh worker thread would otherwise compute in fp32 without grad even when its caller was under TRL's
+    bf16 autocast. Jobs may still set their own modes inside (the actor's prefix enables grad explicitly).
+    """
+
+    grad_enabled: bool
+    inference_mode: bool
+    num_threads: int
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]  # (device type, enabled, dtype)
+    autocast_cache: bool
+
+    @classmethod
+    def capture(cls) -> CallerState:
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        return cls(grad_enabled=torch.is_grad_enabled(), inference_mode=torch.is_inference_mode_enabled(),
+                   num_threads=torch.get_num_threads(),
+                   autocast=tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices),
+                   autocast_cache=torch.is_autocast_cache_enabled())
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.inference_mode(self.inference_mode))
+            stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+            for device_type, enabled, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled,
+                                                   cache_enabled=self.autocast_cache))
+            yield
+
+
+class _DaemonWorker:
+    """One daemon thread running submitted functions in order.
+
+    Not a ThreadPoolExecutor: the interpreter joins those threads at exit, so a job stuck in a kernel or a
+    deadlock (the case `rollplex_overlap_timeout_s` reports) would keep the process alive after the error.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="rollplex-prefix", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn = item
+            if not future.set_running_or_notify_cancel():  # cancelled while queued
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as err:  # noqa: BLE001 - delivered to whoever waits on the future
+                future.set_exception(err)
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, fn))
+        return future
+
+    def stop(self) -> None:
+        """Let the thread end after its current job (never waits for it: it is a daemon)."""
+        self._queue.put(None)

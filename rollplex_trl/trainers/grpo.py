@@ -23,6 +23,7 @@ import contextlib
 import functools
 import logging
 import math
+import numbers
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -60,7 +61,15 @@ from rollplex_trl.prefix.batch import ActorPrefix, shared_prefix_logps
 from rollplex_trl.prefix.generation import shared_prefill
 from rollplex_trl.rollout.multimodal import FramedMediaPreparer, FramedPromptDataset
 from rollplex_trl.trainers.actor import ActorPrefixMixin
-from rollplex_trl.trainers.checkpoint import ResumableRepeatSampler, load_model_weights, needs_converted_load
+from rollplex_trl.trainers.checkpoint import (
+    ResumableRepeatSampler,
+    defer_push,
+    load_model_weights,
+    needs_converted_load,
+    resolve_resume_argument,
+    staged_checkpoint,
+    staging_output_dir,
+)
 from rollplex_trl.trainers.overlap import OverlapMixin
 from rollplex_trl.trainers.vllm import VLLMEngineMixin, trainer_init_arguments  # vLLM engine (rollout/)
 
@@ -87,6 +96,7 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, ActorPrefixMixin, GRPOT
         _refuse_before_setup(*args, **kwargs)
         super().__init__(*args, **kwargs)
         self.rollplex = rollplex_options(self.args)
+        _refuse_several_returned_sequences(getattr(self, "generation_config", None))
         # Rows of the batch whose log-probs are being computed (None outside our passes): see `_rows_in_flight`.
         self._rows_in_flight: list[PreparedPrompt] | None = None
         # Prepared prompts of the generation batch being tokenized, consumed by `_tokenize_prompts`.
@@ -118,6 +128,7 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, ActorPrefixMixin, GRPOT
             ),
             max_prompt_length=o["rollplex_max_prompt_length"],
             skip_invalid=o["rollplex_skip_invalid_samples"],
+            max_skipped_fraction=o["rollplex_max_skipped_fraction"],
             cache_size=o["rollplex_media_cache_size"],
             chat_template=self.chat_template,
             chat_template_kwargs=self.chat_template_kwargs,
@@ -216,16 +227,22 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, ActorPrefixMixin, GRPOT
             blockers.append("tool/environment turns put non-model tokens (and images) inside completions")
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             blockers.append("DeepSpeed/FSDP shard parameters; the prefix pass would run outside their gather hooks")
-        actor_blockers = list(blockers)
         # multi-process without DeepSpeed/FSDP is DDP (or its CPU/XPU/NPU variants): gradients averaged by us
         self._average_actor_gradients = self.accelerator.num_processes > 1
-        for label, reasons in (("reference/old log-probs", blockers), ("actor pass", actor_blockers)):
-            if reasons:
-                message = f"rollplex_share_prefix: off for the {label}: {'; '.join(reasons)}"
-                if mode == "on":
-                    raise ValueError(message + " (set rollplex_share_prefix='auto' or 'off')")
-                logger.warning(message)
-        return not blockers, not actor_blockers
+        if blockers:
+            message = f"rollplex_share_prefix: off: {'; '.join(blockers)}"
+            if mode == "on":
+                raise ValueError(message + " (set rollplex_share_prefix='auto' or 'off')")
+            self._warn_once(message)
+        # every known blocker applies to the scoring and actor passes alike
+        return not blockers, not blockers
+
+    def _warn_once(self, message: str) -> None:
+        """A configuration notice: logged once per job (by the main process), not once per rank or per call."""
+        seen = self.__dict__.setdefault("_rollplex_warned", set())
+        if message not in seen and self.accelerator.is_main_process:
+            logger.warning(message)
+        seen.add(message)
 
     def _suppress_video_token(self) -> None:
         # TRL suppresses the image placeholder in sampling ("a sampled image token would mismatch the image
@@ -270,10 +287,10 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, ActorPrefixMixin, GRPOT
         finally:
             self._rows_to_tokenize = None
         output[PREPARED_KEY] = rows  # a list: TRL shuffles and splits it together with the row tensors
-        skipped = getattr(self.train_dataset, "num_skipped", 0)
-        if self._stream_preparer is not None:
-            skipped += self._stream_preparer.num_skipped
-        self._metrics["train" if self.model.training else "eval"]["rollplex/skipped_samples"].append(float(skipped))
+        sources = [d for d in (self.train_dataset, self._stream_preparer) if hasattr(d, "num_skipped")]
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        metrics["rollplex/skipped_samples"].append(float(sum(d.num_skipped for d in sources)))
+        metrics["rollplex/skipped_fraction"].append(max([float(d.skipped_fraction) for d in sources], default=0.0))
         return output
 
     def _tokenize_prompts(self, prompts: list):
@@ -289,7 +306,8 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, ActorPrefixMixin, GRPOT
         # continuous batching have their own prefix caching; TRL's own image path has no per-prompt identity.
         rows = self._rows_to_tokenize
         if (not self._share_scoring or self.use_vllm or self.use_transformers_continuous_batching
-                or num_generations < 2 or has_tool_images or (rows is None and images is not None)):
+                or num_generations < 2 or has_tool_images or (rows is None and images is not None)
+                or self._generation_expands_rows()):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
         mode = "train" if self.model.training else "eval"
@@ -301,6 +319,17 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, ActorPrefixMixin, GRPOT
                             decode_window=self._decode_window_factory(rows)):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
+
+    def _generation_expands_rows(self) -> bool:
+        """Beam search makes `generate` expand its batch after the prefill, which a prefilled shared cache (one row
+        per sample) cannot follow: TRL's own generate path runs instead."""
+        config = getattr(self, "generation_config", None)
+        beams = getattr(config, "num_beams", 1) or 1
+        if beams > 1:
+            self._warn_once(f"rollplex: shared prefill off for generation (num_beams={beams}): beam search expands "
+                            "the batch inside generate; prefix work is computed when scored")
+            return True
+        return False
 
     # ------------------------------------------------------------------------------------------------------------
     # Log-probs and loss
@@ -361,7 +390,22 @@ class RollplexGRPOTrainer(VLLMEngineMixin, OverlapMixin, ActorPrefixMixin, GRPOT
             return
         super()._load_best_model()
 
+    def _save_checkpoint(self, model, trial) -> None:
+        # written into tmp-checkpoint-N, renamed to checkpoint-N once complete (crash safety: trainers/checkpoint.py)
+        with staged_checkpoint(self, trial):
+            super()._save_checkpoint(model, trial)
+
+    def _get_output_dir(self, trial) -> str:
+        # while a checkpoint is written, the Trainer's (and TRL's) writes go to its staging folder
+        return staging_output_dir(self, super()._get_output_dir(trial))
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # a staged checkpoint is uploaded once it has its final name
+        defer_push(self, checkpoint_folder, super()._push_from_checkpoint)
+
     def train(self, *args: Any, **kwargs: Any):
+        # resume_from_checkpoint=True: the newest complete checkpoint; a named one is checked (trainers/checkpoint.py)
+        args, kwargs = resolve_resume_argument(self, args, kwargs)
         try:
             return super().train(*args, **kwargs)
         finally:
@@ -465,11 +509,21 @@ def _refuse_before_setup(*args: Any, **kwargs: Any) -> None:
             )
 
 
+def _refuse_several_returned_sequences(generation_config: Any) -> None:
+    # GRPO samples num_generations completions per prompt itself; generate returning several per row would misalign
+    # every row after it (TRL's own path then fails deep inside with a tensor-size error).
+    returned = getattr(generation_config, "num_return_sequences", 1) or 1
+    if returned > 1:
+        raise ValueError(f"generation_kwargs sets num_return_sequences={returned}: GRPO draws num_generations "
+                         "completions per prompt itself. Remove num_return_sequences and set num_generations instead.")
+
+
 def _reject_nan_rewards(func: Callable, name: str) -> Callable:
-    """Make a synchronous reward function fail loudly when it returns NaN.
+    """Make a synchronous reward function fail loudly when it returns NaN or an infinity, of any numeric type.
 
     TRL reads `None` as "this reward does not apply to this sample" and turns it into NaN, which later sums as 0. A
-    NaN coming back from the function itself is a bug in the reward, and would be treated the same way: silently.
+    NaN coming back from the function itself is a bug in the reward, and would be treated the same way: silently;
+    an infinity would swamp the group's advantages. Python, NumPy and 0-d/1-element torch numbers are all checked.
     Models (nn.Module) and async functions are returned unchanged.
     """
     if isinstance(func, torch.nn.Module) or not callable(func) or is_async_callable(func):
@@ -479,13 +533,29 @@ def _reject_nan_rewards(func: Callable, name: str) -> Callable:
     def checked(*args: Any, **kwargs: Any):
         rewards = func(*args, **kwargs)
         for i, r in enumerate(rewards):
-            if r is not None and isinstance(r, float | int) and math.isnan(r):
+            value = _reward_value(r)
+            if value is not None and not math.isfinite(value):
                 ids = kwargs.get("problem_id")
-                sample = f"problem_id {ids[i]}" if isinstance(ids, list) and i < len(ids) else f"row {i}"
+                sample = f"problem_id={ids[i]}" if isinstance(ids, list) and i < len(ids) else f"row {i}"
                 raise RollplexDataError(
-                    f"reward function '{name}' returned NaN for {sample} of the batch. Return None for samples "
-                    "the reward does not apply to, or fix the reward."
+                    f"reward function '{name}' returned {'NaN' if math.isnan(value) else value} ({type(r).__name__}) "
+                    f"for {sample} of the batch. "
+                    "Return None for samples the reward does not apply to, or fix the reward."
                 )
         return rewards
 
     return checked
+
+
+def _reward_value(r: Any) -> float | None:
+    """A reward as a float, or None where it is not a single number (None, or a type TRL itself will refuse)."""
+    if r is None or isinstance(r, bool):
+        return None
+    if isinstance(r, torch.Tensor):
+        return float(r) if r.numel() == 1 else None
+    if isinstance(r, numbers.Real) or (hasattr(r, "dtype") and getattr(r, "shape", None) == ()):  # NumPy scalars
+        try:
+            return float(r)
+        except (TypeError, ValueError):
+            return None
+    return None

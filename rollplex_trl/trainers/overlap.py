@@ -10,9 +10,16 @@ The decoding thread and the worker only read θ_k (barrier 1, `WeightGuard`); sc
 the optimizer step asserts the executor is idle (barrier 3). Jobs never toggle module state that the rollout reads:
 PEFT reference passes (which disable the adapter, module-global state) are not overlapped.
 
-`rollplex_overlap="auto"` runs the first generation step serially as a warm-up (its one-time costs, e.g. vLLM's or
-the allocator's first-call work, would bias the comparison), the second serially (measured: decode, then the same
-jobs) and the third concurrently, then keeps whichever schedule had the shorter critical path, logging the numbers.
+Every schedule runs the same jobs on the same inputs: "concurrent" submits them when decoding starts, "serial" runs
+them on the caller's thread right after decoding. So `rollplex_overlap` never changes what is computed, only when
+(computing a prefix at scoring time instead would group and pad the prompts differently, which changes bf16
+rounding). The worker runs under the caller's autocast and grad mode (executor/overlap.py, `CallerState`).
+
+`rollplex_overlap="auto"`: on CPU the serial schedule (decoding already uses the cores; the worker would take some
+of them, and a thread split must never decide a result). On CUDA the first training window runs serially as a
+warm-up (one-time costs, e.g. vLLM's or the allocator's first-call work, would bias the comparison), the second
+serially (measured), the third concurrently (measured); process 0 keeps whichever had the shorter critical path and
+broadcasts the decision, so every rank runs the same schedule. Evaluation windows do not count.
 """
 
 from __future__ import annotations
@@ -30,40 +37,48 @@ from rollplex_trl.prefix.batch import Precomputed, precompute_prefix
 
 logger = logging.getLogger(__name__)
 
-# "auto": window 0 is a serial warm-up, window 1 the serial measurement, window 2 the overlapped one
+# "auto" on CUDA: training window 0 is a serial warm-up, window 1 the serial measurement, window 2 the overlapped one
 _AUTO_SERIAL_WINDOW, _AUTO_OVERLAP_WINDOW = 1, 2
 
 
 class OverlapMixin:
     """Mixed into RollplexGRPOTrainer (before GRPOTrainer); uses its sharing decisions and prepared rows."""
 
+    # "auto" measures on CUDA only; tests and benchmarks may set this to exercise the measuring path on CPU.
+    overlap_auto_measures_on_cpu = False
+
     def _init_overlap(self) -> None:
         o = self.rollplex
-        self._overlap_mode = o["rollplex_overlap"]
+        mode = o["rollplex_overlap"]
         self._precomputed: dict[str, Precomputed] = {}
         self.timeline = Timeline()
         self._serial_decode_s: float | None = None  # baseline for rollplex/decode_slowdown
         self._auto_serial_s: float | None = None
-        self._auto_decided = self._overlap_mode != "auto"
-        self._overlap_active = self._overlap_mode == "on"
-        self._windows_seen = 0
+        self._training_windows = 0  # training windows with jobs (what "auto" counts; evaluation does not)
         # Benchmarks set this to run the window's jobs after decoding (the serial schedule, same work, measured).
         self.overlap_force_serial = False
+        self.overlap_executor = None
         reasons = []
         if not self._share_scoring:
             reasons.append("the shared prefix is off")
         if self.use_transformers_continuous_batching:
             reasons.append("transformers' continuous batching has no decode window to run prefix work in")
-        if reasons and self._overlap_mode != "off":
-            message = f"rollplex_overlap: off: {'; '.join(reasons)}"
-            if self._overlap_mode == "on":
-                raise ValueError(message + " (set rollplex_overlap='auto' or 'off')")
-            logger.warning(message)
-            self._overlap_mode = "off"
-        self.overlap_executor = None
-        if self._overlap_mode != "off":
-            self.overlap_executor = OverlapExecutor(self.accelerator.device, cpu_threads=o["rollplex_overlap_threads"],
-                                                    timeout_s=o["rollplex_overlap_timeout_s"])
+        if reasons:
+            if mode == "on":
+                raise ValueError(f"rollplex_overlap: off: {'; '.join(reasons)} (set rollplex_overlap='auto' or 'off')")
+            if mode == "auto":
+                self._warn_once(f"rollplex_overlap: off: {'; '.join(reasons)}")
+            self._overlap_active, self._auto_decided = False, True
+            return
+        # The executor exists whenever a window does: the serial schedule runs the same jobs on this thread.
+        self.overlap_executor = OverlapExecutor(self.accelerator.device, cpu_threads=o["rollplex_overlap_threads"],
+                                                timeout_s=o["rollplex_overlap_timeout_s"])
+        self._overlap_active = mode == "on"
+        self._auto_decided = mode != "auto" or not (self.accelerator.device.type == "cuda"
+                                                    or self.overlap_auto_measures_on_cpu)
+        if mode == "auto" and self._auto_decided:
+            self._warn_once(f"rollplex_overlap=auto: serial schedule on {self.accelerator.device.type} (prefix jobs "
+                            "run right after decoding; set rollplex_overlap='on' to run them concurrently)")
 
     # ------------------------------------------------------------------------------------------------------------
     # The jobs of one window
@@ -113,12 +128,10 @@ class OverlapMixin:
         @contextlib.contextmanager
         def window(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Iterator[None]:
             self._precomputed.clear()  # never carry a state into another window
-            if self._auto_decided and not self._overlap_active:
-                yield  # "auto" decided against it: prefixes are computed when scored, as with "off"
-                return
             jobs = self._window_jobs(input_ids, attention_mask, rows)
-            auto_trial = not self._auto_decided and self._windows_seen == _AUTO_OVERLAP_WINDOW
-            concurrent = (self._overlap_active or auto_trial) and not self.overlap_force_serial
+            measuring = (not self._auto_decided and self.model.training and bool(jobs))
+            concurrent = bool(jobs) and not self.overlap_force_serial and (
+                self._overlap_active or (measuring and self._training_windows == _AUTO_OVERLAP_WINDOW))
             guard = WeightGuard([*self.model.parameters(),
                                  *(self.ref_model.parameters() if self.ref_model is not None else [])])
             executor = self.overlap_executor
@@ -127,7 +140,7 @@ class OverlapMixin:
             if concurrent:
                 for name, fn in jobs:
                     executor.submit(name, fn)
-                if executor.device.type == "cpu" and jobs:  # split the cores: the worker has its own budget
+                if executor.device.type == "cpu" and executor.cpu_threads:  # an explicit split of the cores
                     torch.set_num_threads(max(1, decode_threads - executor.cpu_threads))
             try:
                 yield
@@ -148,11 +161,11 @@ class OverlapMixin:
                 raise
             for job in done:
                 self._precomputed[job.name] = job.future.result()
-            self._record_window(decode, [j.span for j in done if j.span is not None], concurrent, bool(jobs))
+            self._record_window(decode, [j.span for j in done if j.span is not None], concurrent, measuring)
 
         return window
 
-    def _record_window(self, decode: Span, spans: list[Span], concurrent: bool, had_jobs: bool) -> None:
+    def _record_window(self, decode: Span, spans: list[Span], concurrent: bool, measuring: bool) -> None:
         self.timeline.add(decode)
         for span in spans:
             self.timeline.add(span)
@@ -163,19 +176,27 @@ class OverlapMixin:
         for key, value in stats.metrics(self._serial_decode_s).items():
             self._metrics[mode][key].append(value)
         self._metrics[mode]["rollplex/overlap_active"].append(float(concurrent))
-        window, self._windows_seen = self._windows_seen, self._windows_seen + 1
-        if self._auto_decided or not had_jobs:
+        if not measuring:
             return
+        window, self._training_windows = self._training_windows, self._training_windows + 1
         if window == _AUTO_SERIAL_WINDOW:
             self._auto_serial_s = stats.decode_s + stats.prefix_s
         elif window == _AUTO_OVERLAP_WINDOW:
-            self._overlap_active = stats.critical_path_s < self._auto_serial_s
-            self._auto_decided = True
-            logger.warning(
-                "rollplex_overlap=auto: serial decode+prefix %.3f s, overlapped critical path %.3f s "
-                "(decode slowdown x%.2f, hidden %.3f s) -> overlap %s", self._auto_serial_s, stats.critical_path_s,
-                stats.decode_s / (self._serial_decode_s or stats.decode_s), stats.hidden_s,
-                "ON" if self._overlap_active else "OFF")
+            self._decide_auto(stats)
+
+    def _decide_auto(self, overlapped) -> None:
+        """Process 0 decides from its measurements; every process runs what it decided (one schedule per job)."""
+        decision = [overlapped.critical_path_s < self._auto_serial_s]
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(decision, from_process=0)
+        self._overlap_active, self._auto_decided = bool(decision[0]), True
+        self._warn_once(
+            f"rollplex_overlap=auto: serial decode+prefix {self._auto_serial_s:.3f} s, overlapped critical path "
+            f"{overlapped.critical_path_s:.3f} s (decode slowdown x"
+            f"{overlapped.decode_s / (self._serial_decode_s or overlapped.decode_s):.2f}, hidden "
+            f"{overlapped.hidden_s:.3f} s) -> overlap {'ON' if self._overlap_active else 'OFF'}")
 
     def _take_precomputed(self, kind: str) -> Precomputed | None:
         return self._precomputed.pop(kind, None)
