@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from rollplex_trl.data.errors import RollplexDataError
-from rollplex_trl.data.video import VideoSamplingConfig
-from rollplex_trl.multimodal.dataset import (
+from rollplex_trl.data.prepared import (
     PREPARED_KEY,
     MediaOptions,
     MediaPreparer,
     PreparedPromptDataset,
     StreamPreparer,
 )
+from rollplex_trl.data.video import VideoSamplingConfig
 
 
 class FlagPreparer(MediaPreparer):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-import rollplex_trl.multimodal.dataset as dataset_module
+import rollplex_trl.data.prepared as dataset_module
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 from rollplex_trl.data.errors import RollplexDataError
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollplex_trl.multimodal.prompt import PreparedPrompt, token_type_ids, vision_inputs
+from rollplex_trl.data.prompt import PreparedPrompt, prompt_identity, token_type_ids, vision_inputs
 from rollplex_trl.prefix.forward import prefix_forward, suffix_logps, unwrap_model
 from rollplex_trl.prefix.state import PrefixState
 
@@ -28,10 +28,8 @@ class PromptGroups:
 
 
 def prompt_key(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, row: PreparedPrompt | None) -> object:
-    """What makes two rows share a prefix: the same prepared prompt object, or the same text tokens."""
-    if row is not None:
-        return ("prepared", row.prompt_key)
-    return ("tokens", tuple(prompt_ids[prompt_mask.bool()].tolist()))
+    """What makes two rows share a prefix: `prompt_identity` of the row's unpadded prompt (data/prompt.py)."""
+    return prompt_identity(() if row is not None else prompt_ids[prompt_mask.bool()].tolist(), row)
 
 
 def group_by_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from transformers import DynamicCache
 
-from rollplex_trl.multimodal.prompt import PreparedPrompt
+from rollplex_trl.data.prompt import PreparedPrompt
 from rollplex_trl.prefix.batch import group_by_prompt, run_prefix
 from rollplex_trl.prefix.forward import cache_kwarg, unwrap_model
 

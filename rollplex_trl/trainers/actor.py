@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from rollplex_trl.multimodal.dataset import PREPARED_KEY
-from rollplex_trl.multimodal.prompt import PreparedPrompt
+from rollplex_trl.data.prepared import PREPARED_KEY
+from rollplex_trl.data.prompt import PreparedPrompt
 from rollplex_trl.prefix import backward_prefix, detach_prefix
 from rollplex_trl.prefix.batch import ActorPrefix, group_by_prompt, rows_to_prompts, run_prefix
 from rollplex_trl.rollout.layout import group_into_buckets

@@ -36,9 +36,8 @@ from trl.trainer.utils import RepeatSampler
 
 from rollplex_trl.config import rollplex_options
 from rollplex_trl.data.errors import RollplexDataError
-from rollplex_trl.data.video import VideoSamplingConfig
-from rollplex_trl.executor import Span
-from rollplex_trl.multimodal.dataset import (
+from rollplex_trl.data.framed import FramedMediaPreparer, FramedPromptDataset
+from rollplex_trl.data.prepared import (
     IMAGE_COLUMNS,
     PREPARED_KEY,
     VIDEO_COLUMNS,
@@ -49,17 +48,18 @@ from rollplex_trl.multimodal.dataset import (
     has_column,
     has_video_column,
 )
-from rollplex_trl.multimodal.prompt import (
+from rollplex_trl.data.prompt import (
     PreparedPrompt,
     check_rows_match_ids,
     generation_fields,
     token_type_ids,
     vision_inputs,
 )
+from rollplex_trl.data.video import VideoSamplingConfig
+from rollplex_trl.executor import Span
 from rollplex_trl.prefix import suffix_logps
 from rollplex_trl.prefix.batch import ActorPrefix, shared_prefix_logps
 from rollplex_trl.prefix.generation import shared_prefill
-from rollplex_trl.rollout.multimodal import FramedMediaPreparer, FramedPromptDataset
 from rollplex_trl.trainers.actor import ActorPrefixMixin
 from rollplex_trl.trainers.checkpoint import (
     ResumableRepeatSampler,

@@ -27,9 +27,8 @@ from trl.extras.profiling import profiling_context
 from trl.generation.vllm_generation import VLLMGeneration
 
 from rollplex_trl.config import rollplex_options
-from rollplex_trl.multimodal.dataset import content_key
-from rollplex_trl.rollout.engine import RolloutRequest, SamplingSpec, flatten_rows
-from rollplex_trl.rollout.multimodal import request_for
+from rollplex_trl.rollout.engine import SamplingSpec, flatten_rows
+from rollplex_trl.rollout.requests import requests_for_rows
 from rollplex_trl.rollout.vllm_engine import VLLMColocateEngine, VLLMEngineConfig, cpu_platform
 from rollplex_trl.rollout.vllm_server import VLLMServerEngine
 
@@ -128,45 +127,6 @@ def _broadcast_object(obj: Any) -> Any:
     box = [obj]
     broadcast_object_list(box, from_process=0)
     return box[0]
-
-
-def _row_key(ids: list[int], images: list | None, row: Any) -> tuple:
-    """Identity of a row's prompt: its tokens, plus its sample (prepared rows) or its images' pixels (TRL rows,
-    whose G copies are separate PIL objects)."""
-    media: Any = None
-    if row is not None:
-        media = getattr(row, "sample_id", id(row))
-    elif images:
-        media = content_key(images)
-    return tuple(ids), media
-
-
-def requests_for_rows(prompt_ids: list[list[int]], images: list | None, rows: list | None,
-                      num_generations: int) -> tuple[list[RolloutRequest], list[int]]:
-    """One request per run of identical consecutive rows (n = run length), and each row's request index.
-
-    TRL's sampler puts a prompt's G copies next to each other; a rank may hold part of a group when its batch is not
-    a multiple of G, so runs are found, not assumed. With num_generations == 1 (tool turns) every row is its own.
-    """
-    requests: list[RolloutRequest] = []
-    owner: list[int] = []
-    previous = None
-    for i, ids in enumerate(prompt_ids):
-        row = rows[i] if rows is not None else None
-        row_images = images[i] if images is not None else None
-        key = _row_key(ids, row_images, row) if num_generations > 1 else None
-        if key is not None and key == previous:
-            requests[-1].n += 1
-        else:
-            if row is not None:
-                request = request_for(row, 1)
-            else:
-                data = {"image": row_images if len(row_images) > 1 else row_images[0]} if row_images else None
-                request = RolloutRequest(list(ids), 1, multi_modal_data=data)
-            requests.append(request)
-            previous = key
-        owner.append(len(requests) - 1)
-    return requests, owner
 
 
 def trainer_init_arguments(*args: Any, **kwargs: Any) -> dict[str, Any]:

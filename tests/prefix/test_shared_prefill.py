@@ -11,8 +11,8 @@ from transformers import (
 )
 from trl.trainer.utils import pad
 
+from rollplex_trl.data.prompt import generation_fields, prepare_prompt
 from rollplex_trl.data.video import VideoSamplingConfig, frames_to_video
-from rollplex_trl.multimodal.prompt import generation_fields, prepare_prompt
 from rollplex_trl.prefix.generation import shared_prefill
 
 

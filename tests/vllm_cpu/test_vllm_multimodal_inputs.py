@@ -11,10 +11,11 @@ import dataclasses
 import torch
 from datasets import Dataset
 
-import rollplex_trl.multimodal.dataset as dataset_module
+import rollplex_trl.data.prepared as dataset_module
+from rollplex_trl.data.framed import FramedPrompt, FramedPromptDataset
+from rollplex_trl.data.prepared import PREPARED_KEY, MediaOptions, PreparedPromptDataset
 from rollplex_trl.data.video import VideoSamplingConfig
-from rollplex_trl.multimodal.dataset import PREPARED_KEY, MediaOptions, PreparedPromptDataset
-from rollplex_trl.rollout.multimodal import FramedPrompt, FramedPromptDataset, request_for
+from rollplex_trl.rollout.requests import request_for
 
 from helpers import write_mp4
 
@@ -59,7 +60,7 @@ def test_video_request_carries_the_loaders_frames(tiny_vl_path, tmp_path, monkey
 
 
 def test_prompts_without_frames_are_refused_for_vllm():
-    from rollplex_trl.multimodal.prompt import PreparedPrompt
+    from rollplex_trl.data.prompt import PreparedPrompt
 
     text = PreparedPrompt(sample_id="t", prompt_ids=[1, 2], mm_token_type_ids=[0, 0])
     assert request_for(text, 2).multi_modal_data is None

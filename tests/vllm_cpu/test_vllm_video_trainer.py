@@ -13,9 +13,9 @@ import pytest
 import torch
 from datasets import Dataset
 
-import rollplex_trl.multimodal.dataset as dataset_module
+import rollplex_trl.data.prepared as dataset_module
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
-from rollplex_trl.rollout.multimodal import FramedPrompt
+from rollplex_trl.data.framed import FramedPrompt
 from rollplex_trl.trainers.vllm import RollplexVLLMGeneration
 
 from helpers import video_rows

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from rollplex_trl.data.errors import RollplexDataError, SampleLabel
+from rollplex_trl.data.prompt import content_key, prepare_prompt
 from rollplex_trl.data.video import SampledVideo, VideoSamplingConfig, frames_to_video, load_video
-from rollplex_trl.multimodal.prompt import prepare_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ class StreamPreparer:
         return len(self.skipped) / rows_read if rows_read else 0.0
 
     def prepare_batch(self, rows: list[dict]) -> list[dict]:
-        keys = [_row_key(row) for row in rows]
+        keys = [content_key(row) for row in rows]  # the G repeats arrive as separate, equal dicts
         ready: dict[tuple, dict] = {}
         for key, row in zip(keys, rows):
             if key in ready or key in self.skipped:
@@ -361,25 +361,3 @@ def _stream_sample_id(row: dict) -> SampleLabel:
 def _key_digest(key: tuple) -> str:
     """A digest of a content key that is the same in every process (`hash()` of strings is salted per process)."""
     return hashlib.sha1(repr(key).encode()).hexdigest()
-
-
-def _row_key(row: dict) -> tuple:
-    """Content identity of a streamed row: the G repeats of a prompt arrive as separate, equal dicts."""
-    return content_key(row)
-
-
-def content_key(value: Any) -> Any:
-    """A hashable key equal for equal content: nested dicts/lists by value, images and arrays by a digest of their
-    bytes (the G copies of a prompt are separate objects after TRL's repeat and arrow round trips)."""
-    if value is None or isinstance(value, (str, int, float, bool, bytes)):
-        return value
-    if isinstance(value, dict):
-        return tuple(sorted((str(k), content_key(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(content_key(v) for v in value)
-    if hasattr(value, "tobytes"):  # PIL images, numpy arrays: by content
-        shape = getattr(value, "shape", getattr(value, "size", ""))
-        return ("bytes", hashlib.sha1(value.tobytes()).hexdigest(), str(shape))
-    if isinstance(value, torch.Tensor):
-        return content_key(value.numpy())
-    return repr(value)

@@ -15,9 +15,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from rollplex_trl.multimodal.dataset import PREPARED_KEY, MediaPreparer, PreparedPromptDataset
-from rollplex_trl.multimodal.prompt import PreparedPrompt
-from rollplex_trl.rollout.engine import RolloutRequest
+from rollplex_trl.data.prepared import PREPARED_KEY, MediaPreparer, PreparedPromptDataset
+from rollplex_trl.data.prompt import PreparedPrompt
 
 
 @dataclass(eq=False)
@@ -73,26 +72,3 @@ def video_item(video: Any) -> tuple[Any, dict[str, Any]]:
         "do_sample_frames": False,  # already sampled by our loader: vLLM must not sample again
     }
     return frames, metadata
-
-
-def request_for(prompt: PreparedPrompt, n: int) -> RolloutRequest:
-    """A vLLM request for one prepared prompt: its token ids (placeholders already expanded by our processor run)
-    and, for a `FramedPrompt`, its frames and images."""
-    if not isinstance(prompt, FramedPrompt):
-        if prompt.pixel_values is not None or prompt.pixel_values_videos is not None:
-            raise ValueError(f"{prompt.describe()}: the prompt has images or videos but no frames for vLLM; "
-                             "prepare it with FramedPromptDataset")
-        return RolloutRequest(list(prompt.prompt_ids), n)
-    data: dict[str, Any] = {}
-    if prompt.images:
-        data["image"] = list(prompt.images)
-    if prompt.videos:
-        data["video"] = [video_item(v) for v in prompt.videos]
-    kwargs = None
-    if prompt.videos and prompt.pixel_bounds is not None:
-        # the frames are already at their final size: bounds around it make vLLM's resize a no-op. Scoped to the
-        # video processor (vLLM's Qwen-VL processing keeps `images_kwargs`/`videos_kwargs` apart): flat `size` would
-        # also resize the prompt's images, which the trainer processed with the image processor's own bounds
-        bounds = {"shortest_edge": prompt.pixel_bounds[0], "longest_edge": prompt.pixel_bounds[1]}
-        kwargs = {"videos_kwargs": {"size": bounds}}
-    return RolloutRequest(list(prompt.prompt_ids), n, multi_modal_data=data or None, mm_processor_kwargs=kwargs)

@@ -10,7 +10,9 @@ splitting as one list entry per row, and each log-prob pass rebuilds exactly the
 from __future__ import annotations
 
 import copy
+import hashlib
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,3 +228,30 @@ def generation_fields(rows: list[PreparedPrompt]) -> dict[str, Any]:
     fields = vision_inputs(rows)
     fields["mm_token_type_ids"] = [list(r.mm_token_type_ids) for r in rows]
     return fields
+
+
+def content_key(value: Any) -> Any:
+    """A hashable key equal for equal content: nested dicts/lists by value, images and arrays by a digest of their
+    bytes (the G copies of a prompt are separate objects after TRL's repeat and arrow round trips)."""
+    if value is None or isinstance(value, (str, int, float, bool, bytes)):
+        return value
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), content_key(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(content_key(v) for v in value)
+    if hasattr(value, "tobytes"):  # PIL images, numpy arrays: by content
+        shape = getattr(value, "shape", getattr(value, "size", ""))
+        return ("bytes", hashlib.sha1(value.tobytes()).hexdigest(), str(shape))
+    if isinstance(value, torch.Tensor):
+        return content_key(value.numpy())
+    return repr(value)
+
+
+def prompt_identity(token_ids: Sequence[int], row: PreparedPrompt | None = None, images: Any = None) -> tuple:
+    """What makes two rows the same prompt, everywhere (prefix grouping, vLLM requests): the same prepared prompt
+    (video/image prompts: equal tokens can carry different pixels, so the object's `prompt_key` decides), else the
+    same unpadded token ids and the same images by content (TRL's own image rows: the G copies are separate PIL
+    objects)."""
+    if row is not None:
+        return ("prepared", row.prompt_key)
+    return ("tokens", tuple(int(t) for t in token_ids), content_key(images) if images else None)
