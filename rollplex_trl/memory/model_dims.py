@@ -1,14 +1,18 @@
 """Model dimensions for the memory planner: Qwen2.5-VL presets, or any HF ``config.json`` (no weights read).
 
 Presets are the public ``config.json`` values of the Qwen2.5-VL-{3B,7B,32B,72B}-Instruct checkpoints. The 32B
-figures are cross-checked in /work/shared/notes/weight-layouts.md (exact count: 33,452,718,336 parameters = LLM
-32,763,876,352 + vision 688,841,984), and ``ModelDims.num_params()`` reproduces that count (tested).
+figures are cross-checked in docs/sharding.md, "The per-logical-matrix accounting" (exact count: 33,452,718,336
+parameters = LLM 32,763,876,352 + vision 688,841,984), and ``ModelDims.num_params()`` reproduces that count (tested).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,7 @@ def from_hf_config(path: str | Path) -> ModelDims:
     return dims_from_config(config, getattr(config, "_name_or_path", None) or path.name)
 
 
-def dims_from_config(config, name: str) -> ModelDims:
+def dims_from_config(config: PretrainedConfig, name: str) -> ModelDims:
     """The dimensions of a transformers config object (VL configs have text_config/vision_config)."""
     text = getattr(config, "text_config", None) or config
     heads = text.num_attention_heads

@@ -18,7 +18,7 @@ is resident (and may shrink it). The plan's total is its peak: the largest per-p
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from rollplex_trl.memory.lifetime import LifetimeClass, Phase
 from rollplex_trl.memory.model_dims import ModelDims
@@ -27,10 +27,9 @@ GIB = 2**30
 PHASES: tuple[Phase, ...] = (Phase.ROLLOUT, Phase.SCORE, Phase.TRAIN, Phase.OPTIMIZER, Phase.SYNC)
 RUNTIME = "runtime"  # not a lifetime class: CUDA context, NCCL buffers, allocator slack
 CLASSES: tuple[str, ...] = tuple(c.value for c in LifetimeClass) + (RUNTIME,)
-PLAN_NAMES = ("serial", "naive_overlap", "rollplex")
 
 # The paper's figure this planner is calibrated against (arXiv 2608.14498, via the summaries in
-# /work/shared/notes/anchors-and-related-work.md section 2.1): naive colocation of Qwen2.5-VL-32B, training TP 8.
+# docs/memory.md, "The paper's figures this is calibrated against"): naive colocation of Qwen2.5-VL-32B, training TP 8.
 PAPER_NAIVE_GIB = 165.0
 PAPER_MODEL, PAPER_TRAIN_TP = "Qwen2.5-VL-32B", 8
 
@@ -461,7 +460,3 @@ def plan_memory(model: ModelDims, workload: Workload, assumptions: Assumptions |
     plans = {"serial": plan_serial(c, workload, a), "naive_overlap": plan_naive(c, workload, a),
              "rollplex": plan_rollplex(c, workload, a)}
     return MemoryPlanReport(model, workload, a, c, plans)
-
-
-def with_overrides(a: Assumptions, **changes: object) -> Assumptions:
-    return replace(a, **{k: v for k, v in changes.items() if v is not None})

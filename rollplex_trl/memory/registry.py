@@ -113,9 +113,6 @@ class MemoryRegistry:
                 raise ValueError(f"{name}: shares a tensor storage with the registered object {obj.name!r}; a "
                                  "storage can belong to one object only")
 
-    def unregister(self, name: str) -> None:
-        self._objects.pop(name, None)
-
     def __getitem__(self, name: str) -> MemoryObject:
         try:
             return self._objects[name]

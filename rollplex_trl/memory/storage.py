@@ -32,10 +32,6 @@ class Movable(Protocol):
     def free(self) -> None: ...
 
 
-def storage_nbytes(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().nbytes()
-
-
 def host_buffer(nbytes: int, like_device: torch.device, host_device: torch.device) -> torch.Tensor:
     """A byte buffer on the host; page-locked when the data comes from CUDA, so copies can be asynchronous."""
     pin = like_device.type == "cuda" and host_device.type == "cpu" and torch.cuda.is_available()

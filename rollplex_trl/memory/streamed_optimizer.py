@@ -28,11 +28,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rollplex_trl.memory.lifetime import LifetimeClass, Phase, Placement
+
+if TYPE_CHECKING:
+    from rollplex_trl.memory.ledger import MemoryLedger
+    from rollplex_trl.memory.registry import MemoryObject, MemoryRegistry
 
 _ALIGN = 256  # bytes; keeps every state view in a slot aligned for vectorised kernels
 
@@ -271,7 +275,8 @@ class _StreamedState:
         raise RuntimeError("optimizer state is permanent: it can be parked on the host, never dropped")
 
 
-def register_streamed_optimizer(registry, optimizer: StreamedOptimizer, ledger=None, name: str = "optimizer_state"):
+def register_streamed_optimizer(registry: MemoryRegistry, optimizer: StreamedOptimizer,
+                                ledger: MemoryLedger | None = None, name: str = "optimizer_state") -> MemoryObject:
     """Register the state as PERMANENT (home: host, also during the optimizer phase) and, with a ledger, report the
     chunks on the device as transient permanent bytes while ``step`` runs."""
     obj = registry.register(name, _StreamedState(optimizer), LifetimeClass.PERMANENT, Phase.OPTIMIZER,

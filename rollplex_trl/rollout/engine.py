@@ -19,7 +19,7 @@ import torch
 class RolloutRequest:
     prompt_ids: list[int]
     n: int = 1
-    # vLLM's multi_modal_data ({"image": [...], "video": [(frames, metadata), ...]}), built by rollout/multimodal.py
+    # vLLM's multi_modal_data ({"image": [...], "video": [(frames, metadata), ...]}), built by rollout/requests.py
     multi_modal_data: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
 
@@ -70,10 +70,3 @@ def flatten_rows(results: list[list[RolloutSample]]) -> tuple[list[list[int]], l
     if any(lp is None for lp in logprobs):
         return ids, None
     return ids, logprobs  # type: ignore[return-value]
-
-
-def unique_prompt_rows(num_rows: int, num_generations: int) -> list[int]:
-    """Index of the first row of each prompt. TRL's RepeatSampler yields each prompt G times in a row."""
-    if num_rows % num_generations:
-        raise ValueError(f"{num_rows} rows are not a whole number of groups of {num_generations}")
-    return list(range(0, num_rows, num_generations))

@@ -16,8 +16,8 @@ import torch
 
 
 @dataclass
-class Source:
-    """One HF tensor as vLLM loads it."""
+class TrainerTensor:
+    """One of the trainer's tensors under the HF checkpoint name vLLM loads it by."""
 
     name: str  # HF checkpoint name, e.g. "model.layers.0.self_attn.q_proj.weight"
     param: torch.nn.Parameter  # the trainer's tensor (the frozen base weight for a LoRA layer)
@@ -51,7 +51,7 @@ def _lora_delta(module: torch.nn.Module) -> Callable[[], torch.Tensor] | None:
     return delta
 
 
-def iter_sources(model: torch.nn.Module) -> Iterator[Source]:
+def iter_sources(model: torch.nn.Module) -> Iterator[TrainerTensor]:
     """The tensors vLLM needs, under HF names, with LoRA deltas for PEFT models.
 
     Non-PEFT: `named_parameters()` (tied weights once, as vLLM expects), names with TRL's wrapper prefixes removed.
@@ -60,7 +60,7 @@ def iter_sources(model: torch.nn.Module) -> Iterator[Source]:
     """
     if not _is_peft(model):
         for name, param in model.named_parameters():
-            yield Source(_clean(name), param, trainable=param.requires_grad)
+            yield TrainerTensor(_clean(name), param, trainable=param.requires_grad)
         return
     prefix = getattr(model, "prefix", "lora_")
     deltas: dict[str, Callable[[], torch.Tensor] | None] = {}
@@ -76,7 +76,7 @@ def iter_sources(model: torch.nn.Module) -> Iterator[Source]:
             delta = deltas.get(owner.removesuffix(".base_layer"))
         clean = _clean(name.removeprefix("base_model.model.").replace(".base_layer", "")
                        .replace("modules_to_save.default.", ""))
-        yield Source(clean, param, delta=delta, trainable=param.requires_grad or delta is not None)
+        yield TrainerTensor(clean, param, delta=delta, trainable=param.requires_grad or delta is not None)
 
 
 def _clean(name: str) -> str:

@@ -1,13 +1,14 @@
 """The transformers rollout behind the same interface as vLLM: `model.generate` with n samples per prompt.
 
-The trainer's transformers path stays TRL's own generate call (with the shared prefill of prefix/generation.py);
-this engine serves code that wants one interface for both backends (benchmarks, evaluation scripts, tests). The
-engine *is* the trainer's model, so weight sync is a no-op and there is nothing to sleep.
+A test helper: nothing in the package builds it. The trainer's transformers path stays TRL's own generate call (with
+the shared prefill of prefix/generation.py); the tests use this engine as the sampler of their stand-in vLLM engine
+(tests/vllm_cpu/vllm_helpers.py) and to check vLLM-style media requests against transformers. The engine *is* the
+model it was given, so weight sync is a no-op and there is nothing to sleep.
 
-Given the model's processor, it also takes vLLM-style image and video requests (rollout/multimodal.py): the prompt
-ids with their placeholders already expanded, plus the frames and images. It processes the media as vLLM does (one
-processor call per request, the frames' sampling metadata, `do_sample_frames=False`, the request's
-`mm_processor_kwargs`) and checks that the processed media fill exactly the prompt's placeholder runs.
+Given the model's processor, it also takes vLLM-style image and video requests (rollout/requests.py,
+data/framed.py): the prompt ids with their placeholders already expanded, plus the frames and images. It processes
+the media as vLLM does (one processor call per request, the frames' sampling metadata, `do_sample_frames=False`,
+the request's `mm_processor_kwargs`) and checks that the processed media fill exactly the prompt's placeholder runs.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from rollplex_trl.rollout.engine import RolloutRequest, RolloutSample, SamplingS
 
 
 class TransformersEngine:
+    """`RolloutEngine` over `model.generate` (a test helper, see the module docstring)."""
+
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_ids: list[int], processor: Any = None):
         self.model = model
         self.pad_token_id = pad_token_id

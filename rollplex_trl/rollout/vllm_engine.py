@@ -21,13 +21,16 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rollplex_trl.rollout.engine import RolloutRequest, RolloutSample, SamplingSpec
 from rollplex_trl.rollout.sources import iter_sources
 from rollplex_trl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, SyncStats, WeightSync
+
+if TYPE_CHECKING:  # vLLM is imported lazily: this module imports without it
+    from vllm import CompletionOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ class VLLMEngineConfig:
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def sampling_params(spec: SamplingSpec, n: int, **overrides: Any):
+def sampling_params(spec: SamplingSpec, n: int, **overrides: Any) -> SamplingParams:
     """vLLM SamplingParams with TRL's colocate translation (logprobs=0: the sampled token's log-prob)."""
     from vllm import SamplingParams
 
@@ -82,7 +85,7 @@ def vllm_prompt(request: RolloutRequest) -> dict[str, Any]:
     return row
 
 
-def sample_logprobs(output) -> list[float] | None:
+def sample_logprobs(output: CompletionOutput) -> list[float] | None:
     """Log-prob of each sampled token (vLLM returns {token: Logprob} per position, the sampled token included)."""
     if output.logprobs is None:
         return None

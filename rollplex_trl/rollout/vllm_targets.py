@@ -1,8 +1,13 @@
 """The vLLM side of the weight sync: targets (layout + pieces) of a live vLLM model, and its repacking hook.
 
-Names: vLLM models declare how HF names map to theirs (`hf_to_vllm_mapper`, with `orig_to_new_stacked` for the
-fused layers, e.g. ".q_proj" -> (".qkv_proj", "q")); models without a mapper fall back to
-`packed_modules_mapping` ({"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}) with vLLM's usual shard ids.
+Layout: every target comes from `rollplex_trl.sharding`'s declarative table, the one place that knows how vLLM packs
+HF tensors (`q/k/v_proj` -> rows of `qkv_proj` with KV heads replicated when the rank count exceeds them,
+`gate/up_proj` -> `gate_up_proj`, row-parallel `o_proj`/`down_proj`, a 64-row-padded vocabulary, the fused vision
+`attn.qkv`) and names their vLLM parameters. The live model supplies only the numbers of each layer: its
+tensor-parallel size and rank (`tp_size`/`tp_rank`; 1/0 for replicated layers, e.g. a vision tower in
+`mm_encoder_tp_mode="data"`), its vocabulary padding (`padding_size`) and the head sizes (its HF config). Every target
+shape is checked against the live parameter, so a vLLM whose layout departs from the table fails at plan time
+instead of syncing wrong values.
 
 Repacking: vLLM's CPU backend runs `dispatch_cpu_unquantized_gemm` on every linear layer after loading (the
 layer's `quant_method.process_weights_after_loading`): the weight becomes a oneDNN/SGL handle and `layer.weight`
@@ -12,83 +17,90 @@ an empty tensor (`remove_weight=True`), except for embeddings/LM heads, which ke
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
 
-from rollplex_trl.rollout.layout import Target, describe_pieces
-from rollplex_trl.rollout.sources import Source
+from rollplex_trl.rollout.layout import Target
+from rollplex_trl.rollout.sources import TrainerTensor
+from rollplex_trl.sharding.layouts import LayoutError, ShardSpec, VocabPadding, shape_2d
+from rollplex_trl.sharding.models import ParamGroup, config_head_dims, match_groups
 
-# vLLM's shard ids for the fused layers of packed_modules_mapping (used when a model has no mapper).
-_DEFAULT_SHARD_IDS = {"qkv_proj": ["q", "k", "v"]}
+logger = logging.getLogger(__name__)
 
-
-def _mapper(model: torch.nn.Module):
-    return getattr(model, "hf_to_vllm_mapper", None)
-
-
-def map_name(model: torch.nn.Module, hf_name: str) -> tuple[str, str | int | None] | None:
-    """(vLLM parameter name, shard id or None) for an HF tensor name, or None when vLLM does not load it."""
-    mapper = _mapper(model)
-    if mapper is not None and hasattr(mapper, "_map_name_with_shard"):
-        mapped = mapper._map_name_with_shard(hf_name)
-        if mapped is None:
-            return None
-        name, shard = mapped
-        if isinstance(shard, list):  # one HF tensor loaded into several shards: not a Qwen/Llama layout
-            raise ValueError(f"{hf_name} maps to several shards {shard} of {name}; not supported")
-        if shard is not None or not hasattr(model, "packed_modules_mapping"):
-            return name, shard
-        hf_name = name
-    for fused, parts in getattr(model, "packed_modules_mapping", {}).items():
-        for i, part in enumerate(parts):
-            token = f".{part}."
-            if token in hf_name:
-                ids = _DEFAULT_SHARD_IDS.get(fused)
-                return hf_name.replace(token, f".{fused}.", 1), (ids[i] if ids else i)
-    return hf_name, None
+# HF name prefixes of the Qwen2.5-VL family; their vLLM names sit under `language_model.` / `visual.`
+_VL_PREFIXES = ("model.language_model.", "model.visual.")
 
 
 def is_repacked(module: torch.nn.Module) -> bool:
     return hasattr(module, "cpu_linear")
 
 
+def _vllm_name_of(model: torch.nn.Module, hf_name: str) -> str | None:
+    """vLLM's own renaming of an HF tensor the table does not know, only to tell whether vLLM loads it (None: vLLM
+    drops it)."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    return mapper._map_name(hf_name) if mapper is not None and hasattr(mapper, "_map_name") else hf_name
+
+
 class VLLMTargets:
     """Targets of a live vLLM model (one rank's shard), for `WeightSync`."""
 
-    def __init__(self, model: torch.nn.Module, sources: Iterable[Source]):
+    def __init__(self, model: torch.nn.Module, sources: Iterable[TrainerTensor]):
         self.model = model
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.targets: dict[str, Target] = {}
-        self.skipped: list[str] = []
-        for src in sources:
-            mapped = map_name(model, src.name)
-            if mapped is None or mapped[0] not in self.params:
-                if mapped is not None and self._tied_lm_head(mapped[0]):
-                    continue  # vLLM ties lm_head to the embedding: the embedding's sync covers it
-                self.skipped.append(src.name)
-                continue
-            name, shard = mapped
-            module_name, attr = name.rsplit(".", 1)
-            module = model.get_submodule(module_name)
-            target = self.targets.get(name) or self._new_target(name, module_name, attr, module)
-            self.targets[name] = target
-            target.pieces += describe_pieces(module, src.name, tuple(src.tensor.shape), name, attr, shard)
+        self.skipped: list[str] = []  # trainer tensors vLLM has no parameter for
+        shapes = {s.name: tuple(s.tensor.shape) for s in sources}
+        config = getattr(model, "config", None)
+        if config is None:
+            raise ValueError(f"{type(model).__name__} has no `config`: the head sizes of its layout are unknown")
+        is_vl = any(name.startswith(_VL_PREFIXES) for name in shapes)
+        groups, unclaimed = match_groups(shapes, config_head_dims(config), is_vl)
+        for name in unclaimed:
+            if _vllm_name_of(model, name) in self.params:
+                raise LayoutError(f"vLLM loads {name}, which no parameter kind of rollplex_trl/sharding/models.py "
+                                  "describes; add its Kind there")
+            self.skipped.append(name)
+        for group in groups:
+            for spec in group.kind.vllm:
+                self._add(group, spec)
+
+    def _add(self, group: ParamGroup, spec: ShardSpec) -> None:
+        name = group.vllm_name(spec)
+        if name not in self.params:
+            if not self._tied_lm_head(name):
+                self.skipped += list(dict.fromkeys(group.hf_names[i] for i in spec.sources))
+            return  # a tied LM head: vLLM shares the embedding, whose sync covers it
+        module_name, attr = name.rsplit(".", 1)
+        module = self.model.get_submodule(module_name)
+        padding = VocabPadding(int(getattr(module, "padding_size", 1))) if spec.vocab else None
+        # layers without these attributes (norms, convolutions) are whole on every rank
+        tp, rank = int(getattr(module, "tp_size", 1)), int(getattr(module, "tp_rank", 0))
+        shape, pieces = group.rank_layout(spec, tp, rank, name, padding)
+        target = self._new_target(name, module_name, attr, module, shape)
+        target.pieces = pieces
+        self.targets[name] = target
 
     def _tied_lm_head(self, name: str) -> bool:
-        return name.startswith("lm_head") and getattr(getattr(self.model, "config", None), "tie_word_embeddings",
-                                                      False)
+        return name.rsplit(".", 2)[-2:] == ["lm_head", "weight"] and getattr(
+            getattr(self.model, "config", None), "tie_word_embeddings", False)
 
-    def _new_target(self, name: str, module_name: str, attr: str, module: torch.nn.Module) -> Target:
+    def _new_target(self, name: str, module_name: str, attr: str, module: torch.nn.Module,
+                    shape: tuple[int, ...]) -> Target:
         param = self.params[name]
         repacked = attr == "weight" and is_repacked(module)
         keeps = repacked and param.numel() > 0
         if repacked and not keeps:
-            # the unpacked shape is gone with the tensor; the layer still knows its partition sizes
-            shape = (module.output_size_per_partition, module.input_size_per_partition)
+            # the unpacked tensor is gone; the layer still knows its partition sizes
+            live = (module.output_size_per_partition, module.input_size_per_partition)
         else:
-            shape = tuple(param.shape)
-        return Target(name=name, module_name=module_name, attr=attr, shape=shape, dtype=param.dtype,
+            live = tuple(param.shape)
+        if shape_2d(live) != shape:
+            raise LayoutError(f"vLLM {name}: the sharding table gives this rank {shape}, vLLM holds {live} "
+                              "(vLLM's layout changed, or the model is not one the table describes)")
+        return Target(name=name, module_name=module_name, attr=attr, shape=live, dtype=param.dtype,
                       repacked=repacked, keeps_weight=keeps)
 
     def live(self, name: str) -> torch.Tensor | None:

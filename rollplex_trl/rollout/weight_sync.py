@@ -1,9 +1,10 @@
 """Exact, bucketed weight sync from the trainer's tensors into an in-process vLLM model.
 
-One sync walks a plan built once (`layout.Piece`s per vLLM parameter) and, per bucket of parameters, issues a
-single `torch._foreach_copy_` from views of the trainer's tensors into views of vLLM's parameters: no per-tensor
-Python loader calls (TRL calls vLLM's `load_weights` once per tensor), dtype conversion inside the copy, LoRA deltas
-added with one `torch._foreach_add_` per bucket.
+One sync walks a plan built once (per vLLM parameter, the `SlicePair`s that `rollplex_trl.sharding`'s layout table
+gives this rank, see `vllm_targets.py`) and, per bucket of parameters, issues a single `torch._foreach_copy_` from
+views of the trainer's tensors into views of vLLM's parameters: no per-tensor Python loader calls (TRL calls vLLM's
+`load_weights` once per tensor), dtype conversion inside the copy, LoRA deltas added with one `torch._foreach_add_`
+per bucket.
 
 Three kinds of destination:
 - direct: vLLM's parameter is what its kernel reads (CUDA, and on CPU the norms, biases and embeddings);
@@ -25,7 +26,6 @@ from typing import Protocol
 import torch
 
 from rollplex_trl.rollout.layout import (
-    Piece,
     Target,
     alias_blockers,
     check_tiling,
@@ -33,7 +33,8 @@ from rollplex_trl.rollout.layout import (
     install_alias,
     is_alias_of,
 )
-from rollplex_trl.rollout.sources import Source
+from rollplex_trl.rollout.sources import TrainerTensor
+from rollplex_trl.sharding.layouts import SlicePair, shape_2d
 
 logger = logging.getLogger(__name__)
 
@@ -71,15 +72,15 @@ class TargetModel(Protocol):
 @dataclass
 class _Plan:
     targets: list[Target]
-    pieces_by_source: dict[str, list[Piece]] = field(default_factory=dict)
-    aliased: dict[str, Piece] = field(default_factory=dict)  # HF name -> its piece, when aliased
+    pieces_by_source: dict[str, list[SlicePair]] = field(default_factory=dict)
+    aliased: dict[str, SlicePair] = field(default_factory=dict)  # HF name -> its piece, when aliased
     alias_refused: dict[str, str] = field(default_factory=dict)
 
 
 class WeightSync:
     """Copies (or aliases) the trainer's tensors into vLLM. Build once per engine; `sync()` after each step."""
 
-    def __init__(self, model: TargetModel, sources: Callable[[], Iterable[Source]], *,
+    def __init__(self, model: TargetModel, sources: Callable[[], Iterable[TrainerTensor]], *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, alias: bool = True, alias_blocker: str | None = None):
         self.model = model
         self._sources = sources
@@ -92,7 +93,7 @@ class WeightSync:
 
     # ------------------------------------------------------------------------------------------------------------
 
-    def _build_plan(self, sources: dict[str, Source]) -> _Plan:
+    def _build_plan(self, sources: dict[str, TrainerTensor]) -> _Plan:
         targets = list(self.model.targets.values())
         plan = _Plan(targets=targets)
         shapes = {name: tuple(s.tensor.shape) for name, s in sources.items()}
@@ -111,7 +112,7 @@ class WeightSync:
         self._decide_aliases(plan, sources)
         return plan
 
-    def _decide_aliases(self, plan: _Plan, sources: dict[str, Source]) -> None:
+    def _decide_aliases(self, plan: _Plan, sources: dict[str, TrainerTensor]) -> None:
         if not self._alias_wanted:
             return
         target_of = {t.name: t for t in plan.targets}
@@ -181,13 +182,13 @@ class WeightSync:
         return stats
 
     @staticmethod
-    def _needs_copy(t: Target, sources: dict[str, Source], plan: _Plan, full: bool) -> bool:
+    def _needs_copy(t: Target, sources: dict[str, TrainerTensor], plan: _Plan, full: bool) -> bool:
         pieces = [p for p in t.pieces if p.src_name not in plan.aliased]
         if not pieces:
             return False
         return full or any(sources[p.src_name].trainable for p in pieces)
 
-    def _copy_bucket(self, targets: list[Target], sources: dict[str, Source], deltas: dict[str, torch.Tensor],
+    def _copy_bucket(self, targets: list[Target], sources: dict[str, TrainerTensor], deltas: dict[str, torch.Tensor],
                      plan: _Plan, stats: SyncStats) -> None:
         staged_numel: dict[torch.dtype, int] = {}
         for t in targets:
@@ -202,7 +203,7 @@ class WeightSync:
                 view = flat[t.dtype][offsets[t.dtype]:offsets[t.dtype] + n].view(t.shape)
                 offsets[t.dtype] += n
                 # a partial tiling (vocab padding rows) must not leave garbage where vLLM had zeros
-                if sum(p.length for p in t.pieces) != t.shape[t.pieces[0].dim]:
+                if sum(p.length for p in t.pieces) != shape_2d(t.shape)[t.pieces[0].dim]:
                     view.zero_()
                 dst_of[t.name] = view
             else:

@@ -42,7 +42,7 @@ def _plan_sharding(args: argparse.Namespace) -> int:
     return 0
 
 
-def register_cli(subparsers) -> None:
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``plan-sharding`` subcommand to the ``rollplex-trl`` parser."""
     p = subparsers.add_parser(
         "plan-sharding", help="weight sharing plan: Megatron-Core TP=t training -> vLLM TP=r rollout",

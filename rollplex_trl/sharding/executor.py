@@ -21,11 +21,16 @@ Backends: :class:`CpuMemory` (shared-memory files + ``mmap``) and :class:`CudaMe
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from rollplex_trl.sharding.classify import VIEW
 from rollplex_trl.sharding.plan import CopyOp, RolloutTensor, ShardingPlan
+
+if TYPE_CHECKING:
+    from rollplex_trl.memory.cuda_vmm import CudaFile, CudaRange
+    from rollplex_trl.sharding.shm import SharedFile, VirtualRange
 
 
 class CpuMemory:
@@ -37,34 +42,35 @@ class CpuMemory:
         self.shm, self.root, self.page = shm, root, shm.PAGE
         self.device = torch.device("cpu")
 
-    def create(self, name: str, size: int):
+    def create(self, name: str, size: int) -> SharedFile:
         return self.shm.SharedFile.create(f"{self.root}/{name}", size)
 
-    def open(self, name: str):
+    def open(self, name: str) -> SharedFile:
         return self.shm.SharedFile.open(f"{self.root}/{name}")
 
-    def range(self, nbytes: int):
+    def range(self, nbytes: int) -> VirtualRange:
         return self.shm.VirtualRange(nbytes)
 
 
 class CudaMemory:
-    """CUDA physical allocations shared by descriptor, mapped with the driver's virtual-memory API."""
+    """CUDA physical allocations shared by descriptor, mapped with the driver's virtual-memory API
+    (:mod:`rollplex_trl.memory.cuda_vmm`, the project's one binding of it)."""
 
     def __init__(self, device: int):
-        from rollplex_trl.sharding import cuda_vmm
+        from rollplex_trl.memory import cuda_vmm
 
         torch.cuda.set_device(device)
         torch.cuda.init()  # a current primary context for the driver calls
-        self.vmm, self.index, self.page = cuda_vmm, device, cuda_vmm.granularity(device)
+        self.vmm, self.index, self.page = cuda_vmm, device, cuda_vmm.granularity(device, recommended=True)
         self.device = torch.device("cuda", device)
 
-    def create(self, name: str, size: int):
+    def create(self, name: str, size: int) -> CudaFile:
         return self.vmm.CudaFile.create(name, size, self.index)
 
-    def open(self, name: str):
+    def open(self, name: str) -> CudaFile:
         return self.vmm.CudaFile.open(name, self.index)
 
-    def range(self, nbytes: int):
+    def range(self, nbytes: int) -> CudaRange:
         return self.vmm.CudaRange(nbytes, self.index)
 
 
@@ -72,7 +78,7 @@ def _name(session: str, role: str, device: int) -> str:
     return f"rollplex-{session}-{role}-{device}"
 
 
-def _check_page(plan: ShardingPlan, memory) -> None:
+def _check_page(plan: ShardingPlan, memory: CpuMemory | CudaMemory) -> None:
     if plan.options.page_size % memory.page:
         raise ValueError(f"plan page size {plan.options.page_size} is not a multiple of the backend's mapping "
                          f"granularity {memory.page}; plan with page_size={memory.page} (or a multiple)")
@@ -81,7 +87,8 @@ def _check_page(plan: ShardingPlan, memory) -> None:
 class TrainingStorage:
     """One training rank's parameters in one shared allocation, laid out as the plan's arena says."""
 
-    def __init__(self, plan: ShardingPlan, device: int, memory, session: str, dtype: torch.dtype):
+    def __init__(self, plan: ShardingPlan, device: int, memory: CpuMemory | CudaMemory, session: str,
+                 dtype: torch.dtype):
         _check_page(plan, memory)
         if torch.empty(0, dtype=dtype).element_size() != plan.options.element_size:
             raise ValueError(f"dtype {dtype} does not match the plan's element size {plan.options.element_size}")
@@ -118,7 +125,8 @@ class TrainingStorage:
 class RolloutWeights:
     """One rollout rank's vLLM parameters: views of training storage, and a reused buffer for the rest."""
 
-    def __init__(self, plan: ShardingPlan, device: int, memory, session: str, local: TrainingStorage):
+    def __init__(self, plan: ShardingPlan, device: int, memory: CpuMemory | CudaMemory, session: str,
+                 local: TrainingStorage):
         _check_page(plan, memory)
         self.plan, self.device, self.memory, self.session, self.local = plan, device, memory, session, local
         self.dtype, self.esize = local.dtype, plan.options.element_size
@@ -130,7 +138,7 @@ class RolloutWeights:
         self._ranges: list = []
         self.tensors: dict[str, torch.Tensor] = {}
         self.layouts: dict[str, RolloutTensor] = {}
-        self.ranges: dict[str, object] = {}  # mapped tensors: their stitched range (pieces at rng.addr + piece.va)
+        self.ranges: dict[str, object] = {}  # mapped tensors: their stitched range (spans at rng.addr + span.va)
         for t in self.spec.tensors:
             self.tensors[t.name] = self._build(t)
             self.layouts[t.name] = t
@@ -162,7 +170,7 @@ class RolloutWeights:
             rng = self.memory.range(t.va_size)
             self._ranges.append(rng)
             self.ranges[t.name] = rng
-            for p in t.pieces:
+            for p in t.spans:
                 rng.map(p.va, self.buffer if p.source == "buffer" else self._arena(p.train_rank), p.offset,
                         p.nbytes)
             base = self._typed(rng.bytes(), t.offset)

@@ -8,8 +8,8 @@
    materialization; after an in-place update of the training parameters, aliased tensors must follow at once and
    copied ones after ``sync()`` (side stream) + ``wait()``.
 
-Prints one JSON line per check and exits 1 if any fails. Needs torch with CUDA and cuda-python (``cuda.bindings``);
-the planner needs transformers (no trl, vLLM or megatron-core).
+Prints one JSON line per check and exits 1 if any fails. Needs torch with CUDA and the CUDA driver (the binding,
+:mod:`rollplex_trl.memory.cuda_vmm`, is ctypes); the planner needs transformers (no trl, vLLM or megatron-core).
 """
 
 from __future__ import annotations
@@ -18,8 +18,12 @@ import json
 import sys
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from rollplex_trl.sharding.executor import CpuMemory, CudaMemory
 
 
 def _report(results: list, name: str, ok: bool, **detail) -> None:
@@ -28,9 +32,9 @@ def _report(results: list, name: str, ok: bool, **detail) -> None:
 
 
 def check_primitives(results: list) -> None:
-    from rollplex_trl.sharding import cuda_vmm
+    from rollplex_trl.memory import cuda_vmm
 
-    gran = cuda_vmm.granularity(0)
+    gran = cuda_vmm.granularity(0, recommended=True)
     tag = uuid.uuid4().hex[:8]
     a = cuda_vmm.CudaFile.create(f"check-{tag}-a", 2 * gran, 0)
     b = cuda_vmm.CudaFile.create(f"check-{tag}-b", 2 * gran, 0)
@@ -55,7 +59,7 @@ def check_primitives(results: list) -> None:
     b.close()
 
 
-def check_executor(results: list, remote: str, memory=None) -> None:
+def check_executor(results: list, remote: str, memory: CpuMemory | CudaMemory | None = None) -> None:
     """``memory``: a backend (default ``CudaMemory(0)``); ``CpuMemory()`` runs the same script logic on a CPU."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 

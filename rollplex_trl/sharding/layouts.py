@@ -20,13 +20,22 @@ column selection. That is what keeps the algebra small: three row packings and o
 - :class:`GroupInterleave`: Megatron's fused QKV: for every KV group ``g``, ``[q heads of g; k_g; v_g]``, then one
   contiguous split (a group may straddle ranks when there are fewer groups than ranks, as Megatron-Core >= 0.12
   allows).
+
+The same index maps drive both consumers: the sharing planner (:mod:`.plan`) and the live weight sync into vLLM
+(``rollplex_trl.rollout.vllm_targets``), which reads them as :class:`SlicePair` lists (:func:`slice_pairs`): plain
+``narrow`` copies, since every vLLM layout is a row selection of whole rows or a column chunk of whole columns.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 class LayoutError(ValueError):
@@ -34,7 +43,7 @@ class LayoutError(ValueError):
 
 
 @dataclass(frozen=True)
-class Source:
+class HFSourceSpec:
     """One HF tensor, or one equal part of a fused HF tensor, that a parameter kind is built from.
 
     ``unit`` names the dimension that sets indivisible row blocks (``"head_dim"`` for q/k/v: a split never cuts a
@@ -171,3 +180,103 @@ def shard_index(spec: ShardSpec, source_rows: list[np.ndarray], units: list[int]
     if spec.split == 1:
         cols = _chunk(cols, tp, rank, what)
     return rows.astype(np.int64), cols.astype(np.int64)
+
+
+# ------------------------------------------------------------------------------------- index maps -> narrow copies
+@dataclass(frozen=True)
+class SlicePair:
+    """``src.narrow(dim, src_start, length)`` of HF tensor ``src_name`` is ``dst.narrow(dim, dst_start, length)`` of
+    framework parameter ``dst_name``; the other dimension is taken whole.
+
+    Both tensors are seen in the algebra's 2-D form (``[rows, everything else]``; 1-D tensors as they are), so an HF
+    Conv3d weight fills vLLM's linear patch embedding (vLLM flattens it the same way).
+    """
+
+    src_name: str
+    dst_name: str
+    dim: int
+    src_start: int
+    dst_start: int
+    length: int
+
+    def src_view(self, src: torch.Tensor) -> torch.Tensor:
+        return as_2d(src).narrow(self.dim, self.src_start, self.length)
+
+    def dst_view(self, dst: torch.Tensor) -> torch.Tensor:
+        return as_2d(dst).narrow(self.dim, self.dst_start, self.length)
+
+    def covers_whole_source(self, src_shape: Sequence[int]) -> bool:
+        return self.src_start == 0 and self.length == shape_2d(src_shape)[self.dim]
+
+
+def shape_2d(shape: Sequence[int]) -> tuple[int, ...]:
+    """The algebra's view of a tensor shape: 1-D stays 1-D, more dimensions become ``(rows, the rest)``."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) <= 2:
+        return shape
+    rest = 1
+    for s in shape[1:]:
+        rest *= s
+    return (shape[0], rest)
+
+
+def as_2d(t: torch.Tensor) -> torch.Tensor:
+    # flatten(1) of a contiguous tensor is a view, so writes through a destination view reach the parameter
+    return t if t.dim() <= 2 else t.flatten(1)
+
+
+@dataclass(frozen=True)
+class SourceRows:
+    """Where one source's rows sit: rows ``[v_start, v_start + rows)`` of V are rows ``[hf_start, hf_start + rows)``
+    of HF tensor ``hf_name``, which is cut into ``parts`` equal parts (more than one for a fused HF tensor)."""
+
+    hf_name: str
+    v_start: int
+    rows: int
+    hf_start: int = 0
+    parts: int = 1
+
+
+def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive ids: (position of the run, first id, length)."""
+    if len(ids) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(ids)]])
+    return [(int(a), int(ids[a]), int(b - a)) for a, b in zip(starts, ends)]
+
+
+def slice_pairs(rows: np.ndarray, cols: np.ndarray, sources: Sequence[SourceRows], num_cols: int,
+                dst_name: str) -> list[SlicePair]:
+    """The index maps ``(rows, cols)`` of one parameter as narrow copies from its HF sources.
+
+    Padding rows (ids past the real rows of V) get no copy: they keep what the framework initialised. Raises
+    :class:`LayoutError` for a map that is no single-dimension narrow (rows and columns both split, or a column
+    split over several sources): no vLLM or Megatron layout of the supported models is one.
+    """
+    ends = np.array([s.v_start + s.rows for s in sources])
+    whole_cols = len(cols) == num_cols and bool((cols == np.arange(num_cols)).all())
+    pairs: list[SlicePair] = []
+    for pos, first, length in _runs(rows):
+        # a run may cross from one source into the next (or into padding): cut it at source ends
+        while length > 0:
+            i = int(np.searchsorted(ends, first, side="right"))
+            if i == len(sources):
+                break  # padding rows
+            src = sources[i]
+            n = min(length, src.v_start + src.rows - first)
+            pairs.append(SlicePair(src.hf_name, dst_name, 0, src.hf_start + first - src.v_start, pos, n))
+            pos, first, length = pos + n, first + n, length - n
+    if whole_cols:
+        return pairs
+    col_runs = _runs(cols)
+    whole_rows = len(pairs) == 1 and pairs[0].dst_start == 0 and pairs[0].length == len(rows)
+    if len(col_runs) != 1 or not whole_rows:
+        raise LayoutError(f"{dst_name}: not a narrow of one source along one dimension (rows and columns both "
+                          "selected, or a column split over several sources)")
+    (_, first_col, n_cols), row_pair = col_runs[0], pairs[0]
+    src = next(s for s in sources if s.hf_name == row_pair.src_name)
+    if src.parts != 1 or row_pair.src_start != 0 or row_pair.length != src.rows:
+        raise LayoutError(f"{dst_name}: a column split needs every row of one whole HF tensor")
+    return [SlicePair(row_pair.src_name, dst_name, 1, first_col, 0, n_cols)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from rollplex_trl.sharding.models import ModelSpec, ParamGroup
@@ -28,7 +29,7 @@ def stacked_sources(group: ParamGroup, hf: Mapping[str, torch.Tensor], extra_row
     return v
 
 
-def shard_tensor(group: ParamGroup, rows, cols, hf: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def shard_tensor(group: ParamGroup, rows: np.ndarray, cols: np.ndarray, hf: Mapping[str, torch.Tensor]) -> torch.Tensor:
     v = stacked_sources(group, hf, max(0, int(rows.max()) + 1 - sum(r for r, _ in group.shapes)))
     out = v[torch.as_tensor(rows)][:, torch.as_tensor(cols)]
     return out.reshape(-1) if group.one_dim else out

@@ -6,7 +6,7 @@ counts come from the model itself (built on the meta device from its config, so 
 tensor of every layer is matched to a kind by its HF name. A tensor that no kind claims is an error, so a new
 architecture fails loudly instead of being planned wrongly.
 
-Conventions (sources: notes/weight-layouts.md):
+Conventions (read from the HF, vLLM and Megatron-Core loaders; summarised in docs/sharding.md):
 - Megatron-Core: per-query-group interleaved ``linear_qkv``; ``linear_fc1`` is ``[gate_k; up_k]`` per rank; row
   split for ``linear_proj`` / ``linear_fc2``; optional vocabulary padding (Megatron-LM's
   ``make_vocab_size_divisible_by * tp``). The vision tower is either replicated with HF names (Megatron-Bridge,
@@ -21,18 +21,31 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rollplex_trl.sharding.layouts import Concat, GroupInterleave, LayoutError, PerRank, ShardSpec, Source
+from rollplex_trl.sharding.layouts import (
+    Concat,
+    GroupInterleave,
+    HFSourceSpec,
+    LayoutError,
+    PerRank,
+    ShardSpec,
+    SlicePair,
+    SourceRows,
+    VocabPadding,
+    shard_index,
+    slice_pairs,
+)
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, Qwen2_5_VLConfig
 
 LLM_LAYER = r"model\.(?:language_model\.)?layers\.\d+\."
 LLM_TOP = r"model\.(?:language_model\.)?"
 VIT_BLOCK = r"model\.visual\.blocks\.\d+\."
 VIT_TOP = r"model\.visual\."
-
-Q, K, V = Source("q", "head_dim"), Source("k", "head_dim"), Source("v", "head_dim")
-
 
 @dataclass(frozen=True)
 class Kind:
@@ -40,22 +53,22 @@ class Kind:
 
     key: str
     scope: str
-    sources: tuple[Source, ...]
+    sources: tuple[HFSourceSpec, ...]
     megatron: tuple[ShardSpec, ...]
     vllm: tuple[ShardSpec, ...]
     tower: str = "llm"  # "vision": the vision tower's TP mode is switchable in both frameworks
 
 
-def _src(suffix: str, unit: str | None = None) -> Source:
-    return Source(suffix, unit)
+def _src(suffix: str) -> HFSourceSpec:
+    return HFSourceSpec(suffix)
 
 
-def _qkv_sources(fmt: str) -> tuple[Source, ...]:
-    return tuple(Source(fmt.format(x), "head_dim") for x in "qkv")
+def _qkv_sources(fmt: str) -> tuple[HFSourceSpec, ...]:
+    return tuple(HFSourceSpec(fmt.format(x), "head_dim") for x in "qkv")
 
 
-def _fused_qkv(suffix: str) -> tuple[Source, ...]:
-    return tuple(Source(suffix, "head_dim", (i, 3)) for i in range(3))
+def _fused_qkv(suffix: str) -> tuple[HFSourceSpec, ...]:
+    return tuple(HFSourceSpec(suffix, "head_dim", (i, 3)) for i in range(3))
 
 
 COL, ROW = 0, 1
@@ -195,15 +208,26 @@ class ParamGroup:
     def numel(self) -> int:
         return sum(r * c for r, c in self.shapes)
 
-    def megatron_name(self, spec: ShardSpec, replicated_hf: bool = False) -> str:
-        if replicated_hf:
-            return spec.name
+    def megatron_name(self, spec: ShardSpec) -> str:
         top = "language_model." if self.is_vl else ""
         return _map_prefix(self.prefix, _MEGATRON_PREFIX, top) + spec.name
 
     def vllm_name(self, spec: ShardSpec) -> str:
         top = "language_model." if self.is_vl else ""
         return _map_prefix(self.prefix, _VLLM_PREFIX, top) + spec.name
+
+    def rank_layout(self, spec: ShardSpec, tp: int, rank: int, name: str, padding: VocabPadding | None = None,
+                    framework: str = "vLLM") -> tuple[tuple[int, ...], list[SlicePair]]:
+        """One rank's parameter ``name`` built from this group's HF tensors: its shape in the algebra's 2-D form
+        and the narrow copies that fill it (what the live weight sync copies)."""
+        rows, cols = shard_index(spec, [self.source_rows[i] for i in spec.sources],
+                                 [self.units[i] for i in spec.sources], self.num_cols, tp, rank, padding,
+                                 f"{framework} {name}")
+        starts = np.cumsum([0] + [r for r, _ in self.shapes])
+        sources = [SourceRows(hf, int(start), rows, src.part[0] * rows, src.part[1])
+                   for hf, start, (rows, _), src in zip(self.hf_names, starts, self.shapes, self.kind.sources)]
+        shape = (len(rows),) if self.one_dim else (len(rows), len(cols))
+        return shape, slice_pairs(rows, cols, sources, self.num_cols, name)
 
 
 @dataclass
@@ -220,7 +244,8 @@ class ModelSpec:
         return sum(g.numel for g in self.groups)
 
 
-def _head_dims(config) -> dict[str, int]:
+def config_head_dims(config: object) -> dict[str, int]:
+    """Rows per attention head of each tower (the indivisible unit of q/k/v splits), from a HF config."""
     text = getattr(config, "text_config", config)
     llm = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     dims = {"llm": llm}
@@ -230,7 +255,7 @@ def _head_dims(config) -> dict[str, int]:
     return dims
 
 
-def model_spec_from_config(config, name: str | None = None) -> ModelSpec:
+def model_spec_from_config(config: PretrainedConfig, name: str | None = None) -> ModelSpec:
     """Enumerate a Qwen2 / Qwen2.5-VL model's parameters from its config (model built on the meta device)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2_5_VLForConditionalGeneration
@@ -242,12 +267,22 @@ def model_spec_from_config(config, name: str | None = None) -> ModelSpec:
     # named_parameters() skips tied duplicates, so a tied LM head is simply absent (vLLM ties it too).
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     return ModelSpec(name or getattr(config, "_name_or_path", "") or config.model_type,
-                     groups_from_shapes(shapes, _head_dims(config), is_vl), is_vl, config)
+                     groups_from_shapes(shapes, config_head_dims(config), is_vl), is_vl, config)
 
 
 def groups_from_shapes(shapes: dict[str, tuple[int, ...]], head_dims: dict[str, int],
                        is_vl: bool) -> list[ParamGroup]:
     """Match every HF tensor to exactly one parameter kind; raise if one is left over."""
+    groups, missing = match_groups(shapes, head_dims, is_vl)
+    if missing:
+        raise LayoutError(f"no sharding layout for {len(missing)} parameter(s), e.g. {missing[:3]}; "
+                          "add a Kind to rollplex_trl/sharding/models.py")
+    return groups
+
+
+def match_groups(shapes: dict[str, tuple[int, ...]], head_dims: dict[str, int],
+                 is_vl: bool) -> tuple[list[ParamGroup], list[str]]:
+    """The parameter groups of the HF tensors ``shapes``, and the names no kind claims (in order)."""
     groups, claimed = [], set()
     for name in shapes:
         for kind in KINDS:
@@ -272,15 +307,11 @@ def groups_from_shapes(shapes: dict[str, tuple[int, ...]], head_dims: dict[str, 
             groups.append(ParamGroup(kind, prefix, names, tuple(flat), tuple(units),
                                      len(shapes[names[0]]) == 1, is_vl))
             claimed.update(names)
-    missing = [n for n in shapes if n not in claimed]
-    if missing:
-        raise LayoutError(f"no sharding layout for {len(missing)} parameter(s), e.g. {missing[:3]}; "
-                          "add a Kind to rollplex_trl/sharding/models.py")
-    return groups
+    return groups, [n for n in shapes if n not in claimed]
 
 
 # Real Qwen2.5-VL configs (the released config.json values). Qwen2.5-VL-32B has 40 query heads (not 64: that is
-# the 72B model), and the 3B/7B vision MLP is 3420 wide (32B/72B: 3456), as notes/weight-layouts.md checks.
+# the 72B model), and the 3B/7B vision MLP is 3420 wide (32B/72B: 3456), as the released configs give.
 PRESETS: dict[str, dict] = {
     "Qwen2.5-VL-3B": dict(text=dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16,
                                      num_key_value_heads=2, intermediate_size=11008, vocab_size=151936),
@@ -299,7 +330,7 @@ _VISION_COMMON = dict(depth=32, hidden_size=1280, num_heads=16, patch_size=14, t
                       in_channels=3, spatial_merge_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
 
 
-def preset_config(name: str):
+def preset_config(name: str) -> Qwen2_5_VLConfig:
     """A ``Qwen2_5_VLConfig`` for one of :data:`PRESETS` (case-insensitive, "Qwen/" prefix and "-Instruct" ok)."""
     from transformers import Qwen2_5_VLConfig
 

@@ -70,7 +70,7 @@ class ShardingOptions:
 
 
 @dataclass(frozen=True)
-class Piece:
+class MappedSpan:
     """``nbytes`` at ``va`` of a tensor's virtual range, mapped from a training arena or the rollout buffer."""
 
     va: int
@@ -111,7 +111,7 @@ class RolloutTensor:
     mode: str = ""  # "direct" (a view of the local training tensor), "mapped" (stitched pages), "buffer"
     offset: int = 0  # direct: byte offset in the local arena; mapped: tensor start in its range; buffer: offset
     va_size: int = 0
-    pieces: list[Piece] = field(default_factory=list)
+    spans: list[MappedSpan] = field(default_factory=list)  # mapped: what its range is stitched from
     copies: list[CopyOp] = field(default_factory=list)
     local_bytes: int = 0
     remote_bytes: int = 0
@@ -406,17 +406,17 @@ def _build(plan: ShardingPlan, dev: DevicePlan, tensor: RolloutTensor, buffer: l
     # Stitched virtual range: pieces of training arenas (local or peer-mapped) or of the buffer (copied).
     tensor.mode = "mapped"
     if res.cls == ALIGNED:
-        spans = [(int(h), int(s) * esize, int(d) * esize, int(n) * esize)
-                 for h, s, d, n in zip(runs.holder, runs.src, runs.dst, runs.length)]
-        first = arena(spans[0][0]).offset + spans[0][1]
+        blocks = [(int(h), int(s) * esize, int(d) * esize, int(n) * esize)
+                  for h, s, d, n in zip(runs.holder, runs.src, runs.dst, runs.length)]
+        first = arena(blocks[0][0]).offset + blocks[0][1]
         start = first % page
     else:
         view = res.view
-        spans = [(b, 0, base * esize, arena(b).nbytes) for b, base in zip(view.blocks, view.bases)]
+        blocks = [(b, 0, base * esize, arena(b).nbytes) for b, base in zip(view.blocks, view.bases)]
         start = arena(view.blocks[0]).offset % page if len(view.blocks) == 1 else 0
     tensor.offset = start
     end = 0
-    for h, src, dst, n in spans:
+    for h, src, dst, n in blocks:
         file_off = arena(h).offset + src
         va = start + dst
         lead = file_off % page
@@ -424,10 +424,10 @@ def _build(plan: ShardingPlan, dev: DevicePlan, tensor: RolloutTensor, buffer: l
             raise AssertionError(f"{tensor.name}: piece at {va} not congruent to its source")  # a planner bug
         length = -(-(lead + n) // page) * page
         if is_local(h) or not copy_remote:
-            tensor.pieces.append(Piece(va - lead, length, "train", tensor.holders[h][1], file_off - lead))
+            tensor.spans.append(MappedSpan(va - lead, length, "train", tensor.holders[h][1], file_off - lead))
         else:
             b = _alloc(buffer, n, lead, page)
-            tensor.pieces.append(Piece(va - lead, length, "buffer", -1, b - lead))
+            tensor.spans.append(MappedSpan(va - lead, length, "buffer", -1, b - lead))
             tensor.copies.append(CopyOp(tensor.holders[h][1], 1, n, b, 0, file_off, 0))
         end = max(end, va - lead + length)
     tensor.va_size = end

@@ -15,7 +15,7 @@ GIB = float(1 << 30)
 def _device_bytes(plan: ShardingPlan, dev: DevicePlan) -> dict[str, int]:
     copied = sum(t.copied_bytes for t in dev.tensors)
     aliased = sum(t.nbytes - t.copied_bytes for t in dev.tensors if t.cls != "copy")
-    remote_mapped = sum(p.nbytes for t in dev.tensors for p in t.pieces
+    remote_mapped = sum(p.nbytes for t in dev.tensors for p in t.spans
                         if p.source == "train" and p.train_rank != dev.train_rank)
     from_peers = sum(c.total for t in dev.tensors for c in t.copies if c.train_rank != dev.train_rank)
     return {
@@ -34,7 +34,7 @@ def _device_bytes(plan: ShardingPlan, dev: DevicePlan) -> dict[str, int]:
 
 
 def summarize(plan: ShardingPlan) -> dict:
-    """The plan's numbers as plain JSON-able values (see README_SECTION.md for the schema)."""
+    """The plan's numbers as plain JSON-able values (the schema is in docs/sharding.md)."""
     from rollplex_trl.sharding.plan import COUNTING_RULE, PAPER, kinds_table
 
     opts = plan.options
@@ -124,6 +124,7 @@ def format_plan(plan: ShardingPlan) -> str:
     for kind, v in s["by_kind"].items():
         lines.append(f"  {kind:22}{100 * v['params_fraction']:>8.2f}%"
                      + "".join(f"{100 * v[c]:>9.0f}%" for c in CLASSES))
-    lines += ["", "  * paper: Rollplex's numbers for Qwen2.5-VL-32B at t = 8, r = 4 (README: why they differ).",
+    lines += ["", "  * paper: Rollplex's numbers for Qwen2.5-VL-32B at t = 8, r = 4 (docs/sharding.md: why they"
+              " differ).",
               "  counting rule: " + s["counting_rule"]]
     return "\n".join(line.rstrip() for line in lines)

@@ -13,7 +13,7 @@ TOY = ModelDims("toy", hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, inte
 
 
 def test_parameter_counts():
-    # exact counts from /work/shared/notes/weight-layouts.md
+    # exact counts of the released Qwen2.5-VL configs
     assert QWEN32.llm_params() == 32_763_876_352
     assert QWEN32.vision_params() == 688_841_984
     assert QWEN32.num_params() == 33_452_718_336

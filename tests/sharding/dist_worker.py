@@ -283,7 +283,7 @@ def run_case(rank: int, world: int, t: int, r: int, variant: dict, config, hf, s
         elif lay.mode == "mapped":
             shared += 1
             rng = rollout.ranges[name]
-            for p in lay.pieces:
+            for p in lay.spans:
                 path, offset = backing_of(rng.addr + p.va) or ("", -1)
                 if p.source == "train":
                     t_dev = rank if p.train_rank == k else (rank // t) * t + p.train_rank

@@ -6,6 +6,7 @@ from dist_worker import hf_weights, tiny_config
 from vllm_reference import vllm_rank_weights
 
 from rollplex_trl.sharding import LayoutError, ShardingOptions, model_spec_from_config
+from rollplex_trl.sharding.layouts import VocabPadding
 from rollplex_trl.sharding.materialize import framework_state
 from rollplex_trl.sharding.models import groups_from_shapes
 
@@ -90,6 +91,26 @@ def test_vllm_layout_matches_vllm_loaders(tiny, r, vision):
     for j in range(r):
         _assert_same(framework_state(model, options, "rollout", j, hf),
                      vllm_rank_weights(hf, config, r, j, vision_tp=vision == "sharded"))
+
+
+@pytest.mark.parametrize("r", [1, 2, 4, 8])
+@pytest.mark.parametrize("vision", ["sharded", "replicated"])
+def test_live_sync_slices_match_vllm_loaders(tiny, r, vision):
+    """What the live weight sync copies (narrow slices of HF tensors, from the same table) is what vLLM loads."""
+    config, model, hf = tiny
+    for j in range(r):
+        want = vllm_rank_weights(hf, config, r, j, vision_tp=vision == "sharded")
+        got = {}
+        for g in model.groups:
+            tp, rank = (1, 0) if g.kind.tower == "vision" and vision == "replicated" else (r, j)
+            for spec in g.kind.vllm:
+                name = g.vllm_name(spec)
+                shape, pieces = g.rank_layout(spec, tp, rank, name, VocabPadding(64) if spec.vocab else None)
+                out = torch.zeros(shape)
+                for p in pieces:
+                    p.dst_view(out).copy_(p.src_view(hf[p.src_name]))
+                got[name] = out
+        _assert_same(got, want)
 
 
 @pytest.mark.parametrize("t", [1, 2, 4, 8])

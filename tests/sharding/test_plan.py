@@ -25,7 +25,7 @@ def _fraction(model, pattern: str) -> float:
 
 
 def test_32b_shapes_come_from_the_config(qwen32b):
-    assert qwen32b.numel == 33_452_718_336  # notes/weight-layouts.md: LLM 32,763,876,352 + vision 688,841,984
+    assert qwen32b.numel == 33_452_718_336  # the released config: LLM 32,763,876,352 + vision 688,841,984
 
 
 def test_32b_t8_r4_at_cuda_granularity(qwen32b):

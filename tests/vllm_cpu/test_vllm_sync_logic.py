@@ -7,10 +7,11 @@ reprocessed (what vLLM's CPU backend does), in bf16 to check the dtype conversio
 import torch
 
 from rollplex_trl.rollout.engine import RolloutRequest, RolloutSample, SamplingSpec, flatten_rows
-from rollplex_trl.rollout.layout import Piece, Target
-from rollplex_trl.rollout.sources import Source, iter_sources
+from rollplex_trl.rollout.layout import Target
+from rollplex_trl.rollout.sources import TrainerTensor, iter_sources
 from rollplex_trl.rollout.vllm_engine import VLLMColocateEngine, VLLMEngineConfig
 from rollplex_trl.rollout.weight_sync import WeightSync
+from rollplex_trl.sharding.layouts import SlicePair
 
 
 class FakeTargets:
@@ -20,12 +21,12 @@ class FakeTargets:
         self.reprocessed = 0
         self.targets = {
             "fused.weight": Target("fused.weight", "fused", "weight", (6, 4), dtype,
-                                   pieces=[Piece("a", "fused.weight", 0, 0, 0, 2),
-                                           Piece("b", "fused.weight", 0, 0, 2, 4)]),
+                                   pieces=[SlicePair("a", "fused.weight", 0, 0, 0, 2),
+                                           SlicePair("b", "fused.weight", 0, 0, 2, 4)]),
             "norm.weight": Target("norm.weight", "norm", "weight", (4,), dtype,
-                                  pieces=[Piece("n", "norm.weight", 0, 0, 0, 4)]),
+                                  pieces=[SlicePair("n", "norm.weight", 0, 0, 0, 4)]),
             "lin.weight": Target("lin.weight", "lin", "weight", (3, 4), dtype, repacked=True,
-                                 pieces=[Piece("l", "lin.weight", 0, 0, 0, 3)]),
+                                 pieces=[SlicePair("l", "lin.weight", 0, 0, 0, 3)]),
         }
 
     def live(self, name):
@@ -45,7 +46,7 @@ def _sources(trainable=True):
 def test_sync_is_exact_dtype_correct_and_bucketed():
     params = _sources()
     fake = FakeTargets()
-    sync = WeightSync(fake, lambda: [Source(k, p) for k, p in params.items()], bucket_bytes=40, alias=False)
+    sync = WeightSync(fake, lambda: [TrainerTensor(k, p) for k, p in params.items()], bucket_bytes=40, alias=False)
     stats = sync.sync()
     assert torch.equal(fake.store["fused.weight"], torch.cat([params["a"], params["b"]]).detach().bfloat16())
     assert torch.equal(fake.store["norm.weight"], params["n"].detach().bfloat16())
@@ -60,7 +61,7 @@ def test_partial_sync_skips_frozen_tensors():
     params = _sources()
     params["n"].requires_grad_(False)
     fake = FakeTargets()
-    sync = WeightSync(fake, lambda: [Source(k, p, trainable=p.requires_grad) for k, p in params.items()],
+    sync = WeightSync(fake, lambda: [TrainerTensor(k, p, trainable=p.requires_grad) for k, p in params.items()],
                       alias=False)
     sync.sync()
     assert sync.sync(full=False).bytes_copied == (6 * 4 + 3 * 4) * 2
@@ -69,7 +70,7 @@ def test_partial_sync_skips_frozen_tensors():
 def test_alias_when_layouts_match_and_refusal_reasons():
     params = _sources()
     fake = FakeTargets(dtype=torch.float32)
-    sync = WeightSync(fake, lambda: [Source(k, p) for k, p in params.items()])
+    sync = WeightSync(fake, lambda: [TrainerTensor(k, p) for k, p in params.items()])
     first = sync.sync()
     assert sync.aliased_names == ["a", "b", "n"]
     assert "repacks" in sync.alias_refusals["l"]
@@ -83,10 +84,10 @@ def test_alias_when_layouts_match_and_refusal_reasons():
 
 def test_alias_refused_for_other_dtype_and_global_blocker():
     params = _sources()
-    sync = WeightSync(FakeTargets(), lambda: [Source(k, p) for k, p in params.items()])
+    sync = WeightSync(FakeTargets(), lambda: [TrainerTensor(k, p) for k, p in params.items()])
     sync.sync()
     assert sync.aliased_names == [] and "dtype differs" in sync.alias_refusals["a"]
-    sync = WeightSync(FakeTargets(dtype=torch.float32), lambda: [Source(k, p) for k, p in params.items()],
+    sync = WeightSync(FakeTargets(dtype=torch.float32), lambda: [TrainerTensor(k, p) for k, p in params.items()],
                       alias_blocker="tensor parallelism")
     sync.sync()
     assert sync.aliased_names == [] and sync.alias_refusals["n"] == "tensor parallelism"
@@ -219,7 +220,7 @@ def test_offloaded_weights_come_back_and_sync_partially():
 
 
 def test_requests_group_consecutive_rows():
-    from rollplex_trl.trainers.vllm import requests_for_rows
+    from rollplex_trl.rollout.requests import requests_for_rows
 
     ids = [[1, 2], [1, 2], [1, 2], [3], [3], [1, 2]]
     requests, owner = requests_for_rows(ids, None, None, num_generations=3)
@@ -235,7 +236,7 @@ def test_requests_group_consecutive_rows():
 def test_requests_keep_different_images_apart():
     from PIL import Image
 
-    from rollplex_trl.trainers.vllm import requests_for_rows
+    from rollplex_trl.rollout.requests import requests_for_rows
 
     red, blue = Image.new("RGB", (8, 8), "red"), Image.new("RGB", (8, 8), "blue")
     requests, _ = requests_for_rows([[1], [1], [1], [1]], [[red], [red.copy()], [blue], [blue.copy()]], None, 2)
