@@ -1,10 +1,13 @@
 """The README's main job (`rollplex-trl demo`) trains end to end and leaves a loadable checkpoint and logs."""
 
+import argparse
 import json
 
-from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration, TrainerControl, TrainerState
 
-from rollplex_trl.cli import main
+from rollplex_trl.callbacks import JsonlLoggerCallback
+from rollplex_trl.cli import build_parser, main
+from rollplex_trl.demo import add_demo_arguments, answer_mention_reward
 
 
 def test_demo_trains_two_steps(tmp_path, monkeypatch, capsys):
@@ -26,3 +29,34 @@ def test_demo_trains_two_steps(tmp_path, monkeypatch, capsys):
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint)
     assert sum(p.numel() for p in model.model.visual.parameters()) > 0
     AutoProcessor.from_pretrained(out / "checkpoints" / "checkpoint-2")
+
+
+def test_cli_demo_and_demo_module_share_options():
+    """`rollplex-trl demo`, scripts/demo.sh and examples/demo.py take the same options, with the same defaults."""
+    for argv in ([], ["--steps", "2", "--preset", "small", "--output-dir", "x"]):
+        cli = vars(build_parser().parse_args(["demo", *argv]))
+        assert cli.pop("command") == "demo" and cli.pop("func") is not None
+        assert cli == vars(add_demo_arguments(argparse.ArgumentParser()).parse_args(argv))
+    assert cli["steps"] == 2 and build_parser().parse_args(["demo"]).output_dir == "runs/demo"
+
+
+def test_jsonl_logger_appends_each_record(tmp_path):
+    path = tmp_path / "run" / "logs.jsonl"
+    path.parent.mkdir()
+    path.write_text('{"stale": 1}\n')
+    callback, state = JsonlLoggerCallback(path), TrainerState()
+    assert not path.exists()  # a fresh file per run
+    for step, loss in [(1, 0.5), (2, 0.25)]:
+        state.global_step = step
+        callback.on_log(None, state, TrainerControl(), logs={"loss": loss, "rollplex/decode_s": 0.1})
+    callback.on_log(None, state, TrainerControl(), logs=None)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records == [{"step": 1, "loss": 0.5, "rollplex/decode_s": 0.1},
+                       {"step": 2, "loss": 0.25, "rollplex/decode_s": 0.1}]
+
+
+def test_answer_mention_reward():
+    completions = [[{"role": "assistant", "content": "I think it is 3."}], [{"role": "assistant", "content": "B?"}],
+                   [{"role": "assistant", "content": "13 balls"}]]
+    assert answer_mention_reward(completions, ["<answer>3</answer>", "<answer>B</answer>",
+                                               "<answer>3</answer>"]) == [1.0, 1.0, 0.0]

@@ -16,8 +16,8 @@ No event fires around generation or scoring, so the trainer marks those itself:
     with manager.phase("score"):
         old_logps, ref_logps = ...
 
-Logging: with ``trainer=`` (a TRL trainer with ``_metrics``), the ledger's ``rollplex/mem_*`` figures are added
-to ``trainer._metrics["train"]`` at every step end, so TRL averages them over the logging interval and they reach
+Logging: with ``trainer=`` (a TRL trainer), the ledger's ``rollplex/mem_*`` figures are added
+to TRL's training metrics at every step end, so TRL averages them over the logging interval and they reach
 every logger and ``state.log_history``. Without it, ``on_log`` adds them to the ``logs`` dict, which only the
 callbacks registered after this one see (transformers copies ``logs`` into ``log_history`` before ``on_log``).
 """
@@ -28,6 +28,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from rollplex_trl import trl_compat
 from rollplex_trl.memory.ledger import MemoryLedger
 from rollplex_trl.memory.lifetime import Phase
 from rollplex_trl.memory.residency import ResidencyManager
@@ -50,14 +51,16 @@ class MemoryPhaseCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.manager.enter(Phase.IDLE)
-        metrics = getattr(self.trainer, "_metrics", None)
-        if self.ledger is not None and metrics is not None:
+        if self.ledger is not None and self.trainer is not None and trl_compat.has_trl_metrics(self.trainer):
+            train_metrics = trl_compat.metrics(self.trainer, training=True)
             for key, value in self.ledger.metrics().items():
-                metrics["train"][key].append(value)
+                train_metrics[key].append(value)
             self.ledger.reset_window()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.ledger is None or logs is None or getattr(self.trainer, "_metrics", None) is not None:
+        if self.ledger is None or logs is None:
             return
+        if self.trainer is not None and trl_compat.has_trl_metrics(self.trainer):
+            return  # with a TRL trainer, the ledger's numbers went through its metrics at the step's end
         logs.update(self.ledger.metrics())
         self.ledger.reset_window()
