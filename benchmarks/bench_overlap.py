@@ -58,7 +58,8 @@ def _run(mode: str, model_path, dataset, tmp: Path, args) -> dict:
             rollplex_video_max_pixels=args.size * args.size)
         rewards = [accuracy_reward, format_reward]
     trainer = RollplexGRPOTrainer(model=str(model_path), reward_funcs=rewards, args=config, train_dataset=dataset)
-    trainer.overlap_force_serial = mode == "shared"
+    if trainer.overlap is not None:
+        trainer.overlap.force_serial = mode == "shared"
     trainer.train()
     logs = [r for r in trainer.state.log_history if "step_time" in r][1:]  # first step: warm-up
 

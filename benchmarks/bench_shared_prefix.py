@@ -119,12 +119,12 @@ def _measure(trainer, args, C: int) -> dict:
     cuda = torch.cuda.is_available()
 
     def ref_pass():
-        with torch.no_grad(), trainer._rows_in_flight_as(rows):
+        with torch.no_grad(), trainer.batch.scoring(rows):
             trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, C,
                                                        batch_size=trainer.args.per_device_train_batch_size)
 
     def actor_pass():
-        with trainer._rows_in_flight_as(rows):
+        with trainer.batch.scoring(rows):
             logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C,
                                                                      compute_entropy=True)
         (logps * batch["completion_mask"]).sum().backward()

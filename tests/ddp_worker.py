@@ -31,21 +31,24 @@ def main(checkpoint: str, out: str, share: str) -> None:
         rollplex_share_prefix="auto" if measure else share, rollplex_overlap="auto" if measure else "off",
         rollplex_video_min_pixels=4 * 28 * 28, rollplex_video_max_pixels=56 * 84)
     if measure:
-        RollplexGRPOTrainer.overlap_auto_measures_on_cpu = True
+        from rollplex_trl.overlap import OverlapSchedule
+
+        OverlapSchedule.auto_measures_on_cpu = True
     trainer = RollplexGRPOTrainer(model=checkpoint, reward_funcs=reward, args=args,
                                   train_dataset=Dataset.from_list(rows))
     if measure:
-        record = trainer._record_window
+        schedule = trainer.overlap
+        finish = schedule._finish_window
 
         def rigged(*a, **k):
-            record(*a, **k)
-            if trainer._training_windows == 2 and not trainer._auto_decided:  # after the serial measurement
-                trainer._auto_serial_s = 1e9 if rank == 0 else 0.0
+            finish(*a, **k)
+            if schedule.training_windows == 2 and not schedule.decided:  # after the serial measurement
+                schedule._auto_serial_s = 1e9 if rank == 0 else 0.0
 
-        trainer._record_window = rigged
+        schedule._finish_window = rigged
     trainer.train()
     model = trainer.accelerator.unwrap_model(trainer.model)
-    result = {"world": trainer.accelerator.num_processes, "share_actor": trainer._share_actor,
+    result = {"world": trainer.accelerator.num_processes, "share_actor": trainer.support.share_actor,
               "logs": [r for r in trainer.state.log_history if "loss" in r],
               "checksum": float(sum(p.double().sum() for p in model.parameters()))}
     Path(out, f"{share}-rank{rank}.json").write_text(json.dumps(result))

@@ -14,7 +14,8 @@ from datasets import Dataset
 
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 from rollplex_trl.data.errors import RollplexDataError
-from rollplex_trl.trainers.grpo import _reject_nan_rewards
+from rollplex_trl.overlap import OverlapSchedule
+from rollplex_trl.trainers.rewards import reject_non_finite_rewards
 
 from helpers import RecordingReward, video_rows
 
@@ -72,13 +73,13 @@ def test_two_seeded_runs_with_default_settings_log_the_same(tiny_vl_path, tmp_pa
 
 def test_evaluation_windows_do_not_count_for_auto(tiny_vl_path, tmp_path, video_dataset, monkeypatch):
     # eval_on_start with auto crashed ('<' between float and None) and evaluation used up the measuring windows.
-    monkeypatch.setattr(RollplexGRPOTrainer, "overlap_auto_measures_on_cpu", True)
+    monkeypatch.setattr(OverlapSchedule, "auto_measures_on_cpu", True)
     args = _args(tmp_path, "eval", max_steps=4, gradient_accumulation_steps=1, eval_strategy="steps", eval_steps=1,
                  eval_on_start=True, per_device_eval_batch_size=4, rollplex_overlap="auto")
     trainer = RollplexGRPOTrainer(model=str(tiny_vl_path), reward_funcs=RecordingReward(), args=args,
                                   train_dataset=video_dataset, eval_dataset=video_dataset)
     trainer.train()
-    assert trainer._auto_decided, "three training windows were seen: auto must have decided"
+    assert trainer.overlap.decided, "three training windows were seen: auto must have decided"
     active = [r["rollplex/overlap_active"] for r in trainer.state.log_history if "loss" in r]
     assert active[:3] == [0.0, 0.0, 1.0], "warm-up serial, measured serial, measured overlapped"
     assert any("eval_loss" in r or "eval_reward" in r for r in trainer.state.log_history)
@@ -178,10 +179,10 @@ def test_non_finite_rewards_of_any_numeric_type_are_refused(bad):
     def reward(completions, **kwargs):
         return [1.0, bad, None]
 
-    checked = _reject_nan_rewards(reward, "my_reward")
+    checked = reject_non_finite_rewards(reward, "my_reward")
     with pytest.raises(RollplexDataError, match=r"'my_reward' returned .* for problem_id=b of the batch"):
         checked(completions=[None] * 3, problem_id=["a", "b", "c"])
-    fine = _reject_nan_rewards(lambda completions, **k: [np.float32(1.0), torch.tensor(0.5), None, 2], "ok")
+    fine = reject_non_finite_rewards(lambda completions, **k: [np.float32(1.0), torch.tensor(0.5), None, 2], "ok")
     assert [None if r is None else float(r) for r in fine(completions=[])] == [1.0, 0.5, None, 2.0]
 
 
@@ -190,7 +191,7 @@ def test_a_hung_prefix_job_does_not_keep_the_process_alive():
     # thread is joined at exit). The child blocks its job forever; the parent only bounds how long it waits.
     child = textwrap.dedent("""
         import threading
-        from rollplex_trl.executor import OverlapError, OverlapExecutor
+        from rollplex_trl.overlap import OverlapError, OverlapExecutor
         executor = OverlapExecutor("cpu", timeout_s=0.5)
         executor.submit("actor", threading.Event().wait)
         try:
@@ -204,7 +205,7 @@ def test_a_hung_prefix_job_does_not_keep_the_process_alive():
 
 
 def test_worker_jobs_run_under_the_callers_autocast_and_grad_mode():
-    from rollplex_trl.executor import OverlapExecutor
+    from rollplex_trl.overlap import OverlapExecutor
 
     executor = OverlapExecutor("cpu", timeout_s=30)
     weight = torch.randn(8, 8, requires_grad=True)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from datasets import Dataset
 
-import rollplex_trl.trainers.overlap as overlap_module
+import rollplex_trl.overlap.schedule as overlap_module
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
-from rollplex_trl.executor import OverlapError, OverlapExecutor
+from rollplex_trl.overlap import OverlapError, OverlapExecutor, OverlapSchedule
 
 from helpers import RecordingReward, video_rows
 
@@ -83,12 +83,12 @@ def _text_trainer(tiny_qwen2_path, tmp_path, overlap="on", **overrides):
 def test_a_weight_write_inside_the_window_is_detected(tiny_qwen2_path, tmp_path):
     trainer = _text_trainer(tiny_qwen2_path, tmp_path)
     enc = trainer.processing_class(["count to three", "count to three"], return_tensors="pt", padding=True)
-    window = trainer._decode_window_factory(None)
+    window = trainer._decode_window(None)
     with pytest.raises(OverlapError, match="written while"):
         with window(enc["input_ids"], enc["attention_mask"]):
             with torch.no_grad():  # what an optimizer step or a weight sync would do
                 next(trainer.model.parameters()).add_(0.0)
-    assert trainer._precomputed == {}, "no state from the violated window may be used"
+    assert trainer.overlap.precomputed == {}, "no state from the violated window may be used"
 
 
 def test_optimizer_barrier_refuses_pending_readers():
@@ -120,7 +120,7 @@ def test_a_failing_prefix_job_surfaces_with_its_traceback(tiny_qwen2_path, tmp_p
         frames.append(tb.tb_frame.f_code.co_name)
         tb = tb.tb_next
     assert "broken_prefix" in frames, "the original traceback was lost"
-    assert trainer._precomputed == {} and trainer.overlap_executor._jobs == []
+    assert trainer.overlap.precomputed == {} and trainer.overlap.executor._jobs == []
 
 
 def test_a_hung_prefix_job_times_out(tiny_qwen2_path, tmp_path, monkeypatch):
@@ -131,7 +131,7 @@ def test_a_hung_prefix_job_times_out(tiny_qwen2_path, tmp_path, monkeypatch):
     trainer = _text_trainer(tiny_qwen2_path, tmp_path, rollplex_overlap_timeout_s=0.5)
     with pytest.raises(OverlapError, match="did not finish within"):
         trainer.train()
-    assert trainer._precomputed == {}
+    assert trainer.overlap.precomputed == {}
 
 
 def test_interrupt_during_decoding_leaves_nothing_behind(tiny_qwen2_path, tmp_path, monkeypatch):
@@ -144,12 +144,12 @@ def test_interrupt_during_decoding_leaves_nothing_behind(tiny_qwen2_path, tmp_pa
     monkeypatch.setattr(model_cls, "generate", interrupted_generate)
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
-    assert trainer.overlap_executor is None or trainer.overlap_executor._jobs == []
-    assert trainer._precomputed == {}
+    assert trainer.overlap is None or trainer.overlap.executor._jobs == []
+    assert trainer.overlap.precomputed == {}
 
 
 def test_auto_decides_and_logs(tiny_qwen2_path, tmp_path, caplog, monkeypatch):
-    monkeypatch.setattr(RollplexGRPOTrainer, "overlap_auto_measures_on_cpu", True)  # CPU keeps serial otherwise
+    monkeypatch.setattr(OverlapSchedule, "auto_measures_on_cpu", True)  # CPU keeps serial otherwise
     trainer = _text_trainer(tiny_qwen2_path, tmp_path, overlap="auto", max_steps=4, rollplex_timeline=True)
     with caplog.at_level(logging.WARNING):
         trainer.train()

@@ -97,17 +97,17 @@ def test_video_peft_reference_is_adapter_disabled(tiny_vl_path, tmp_path, video_
 
 
 def test_share_prefix_on_refuses_unsupported_configs(tiny_qwen2_path, tmp_path, caplog, monkeypatch):
-    import rollplex_trl.trainers.grpo as grpo
+    import rollplex_trl.trainers.support as support
 
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]] * 4})
-    monkeypatch.setattr(grpo, "_PREFIX_MODEL_TYPES", ("llama",))  # pretend Qwen2 were an unknown decoder
+    monkeypatch.setattr(support, "PREFIX_MODEL_TYPES", ("llama",))  # pretend Qwen2 were an unknown decoder
     with pytest.raises(ValueError, match="rollplex_share_prefix.*model type 'qwen2'"):
         RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=varied_reward, train_dataset=dataset,
                             args=_config(tmp_path, "on"))
     with caplog.at_level(logging.WARNING):
         trainer = RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=varied_reward,
                                       train_dataset=dataset, args=_config(tmp_path, "auto", max_steps=1))
-    assert not trainer._share_scoring and not trainer._share_actor
+    assert not trainer.support.share_scoring and not trainer.support.share_actor
     assert "rollplex_share_prefix: off" in caplog.text and "qwen2" in caplog.text
     trainer.train()  # and training still works, on TRL's full forward
     assert not any("rollplex/prefix_rows_per_prompt" in r for r in trainer.state.log_history)

@@ -40,7 +40,7 @@ def test_streamed_video_learns_what_the_map_style_dataset_learns(tiny_vl_path, t
     streamed, logs_stream, seen_stream = _train(tiny_vl_path, Dataset.from_list(rows).to_iterable_dataset(),
                                                 tmp_path, "stream", **extra)
 
-    assert streamed._stream_preparer is not None and mapped._stream_preparer is None
+    assert streamed.media.stream_preparer is not None and mapped.media.stream_preparer is None
     assert seen_stream == seen_map and len(seen_map) == 16 // extra.get("num_iterations", 1)
     assert len(logs_stream) == len(logs_map) == 4
     for a, b in zip(logs_stream, logs_map, strict=True):
@@ -60,7 +60,7 @@ def test_streamed_invalid_samples_are_named_or_skipped(tiny_vl_path, tmp_path):
 
     trainer, logs, seen = _train(tiny_vl_path, Dataset.from_list(rows).to_iterable_dataset(), tmp_path, "skip",
                                  max_steps=2, rollplex_skip_invalid_samples=True)
-    assert trainer._stream_preparer.num_skipped == 1
+    assert trainer.media.stream_preparer.num_skipped == 1
     assert all(pid != 1 for pid, _ in seen)  # the invalid prompt's rows were replaced by a valid prompt's
     assert logs[-1]["rollplex/skipped_samples"] == 1.0 and all(torch.isfinite(torch.tensor(r["loss"])) for r in logs)
 

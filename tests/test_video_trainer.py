@@ -98,7 +98,7 @@ def test_video_logps_match_full_forward_and_grads_reach_vision_tower(tiny_vl_pat
     batch["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], cmask], 1)
-    with trainer._rows_in_flight_as(rows):
+    with trainer.batch.scoring(rows):
         actor_logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
             model, ids, mask, cmask.size(1), compute_entropy=True)
     expected_actor = reference_logps(model, trainer.processing_class, ref_rows, batch["completion_ids"], cmask,

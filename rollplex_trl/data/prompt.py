@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from trl.data_utils import prepare_multimodal_messages
+from trl import prepare_multimodal_messages
 
 from rollplex_trl.data.errors import RollplexDataError
 from rollplex_trl.data.video import SampledVideo

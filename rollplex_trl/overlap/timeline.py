@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollplex_trl.executor.overlap import Span
+from rollplex_trl.overlap.executor import Span
 
 
 @dataclass

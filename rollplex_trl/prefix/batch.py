@@ -8,7 +8,8 @@ runs only [last prompt token, completion] through `suffix_logps`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -166,3 +167,36 @@ def rows_to_prompts(actor: ActorPrefix, prompt_ids: torch.Tensor, prompt_mask: t
             raise KeyError(f"row {r} of the micro-batch has no prefix in window {actor.window}")
         index.append(actor.key_to_prompt[key])
     return torch.tensor(index, dtype=torch.long, device=prompt_ids.device)
+
+
+def prepared_rows_logps(model: torch.nn.Module, rows: Sequence[PreparedPrompt], input_ids: torch.Tensor,
+                        attention_mask: torch.Tensor, logits_to_keep: int, batch_size: int | None,
+                        compute_entropy: bool, compute_aux_loss: bool, autocast: Callable[[], AbstractContextManager]
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The unshared path for prepared rows: TRL's chunked fused-head log-prob pass (full prompt + completion per
+    row), with each chunk's vision inputs built from its rows (TRL passes none for video)."""
+    batch_size = batch_size or input_ids.size(0)
+    prompt_length = input_ids.size(1) - logits_to_keep
+    device = input_ids.device
+    all_logps, all_entropies, all_aux = [], [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        end = min(start + batch_size, input_ids.size(0))
+        chunk_rows = rows[start:end]
+        ids, mask = input_ids[start:end], attention_mask[start:end]
+        model_inputs = {"input_ids": ids, "attention_mask": mask, **vision_inputs(chunk_rows, device)}
+        model_inputs["mm_token_type_ids"] = token_type_ids(chunk_rows, prompt_length, ids.size(1), device)
+        if compute_aux_loss:
+            model_inputs["output_router_logits"] = True
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :-logits_to_keep] = -100
+        with autocast():
+            outputs = model(**model_inputs, labels=labels, fused_lm_head=True)
+        all_logps.append(outputs.log_probs[:, -logits_to_keep:])
+        if compute_entropy:
+            all_entropies.append(outputs.entropy[:, -logits_to_keep:])
+        if compute_aux_loss:
+            all_aux.append(outputs.aux_loss)
+    logps = torch.cat(all_logps, dim=0)
+    entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
+    aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None
+    return logps, entropies, aux_loss

@@ -12,7 +12,8 @@ and both are exact against the full forward, log-probs and gradients, provided t
   3. the prompt K/V keep their autograd graph (one graph, or the two-stage backward at the bottom of this file),
   4. gradient checkpointing neither drops the caches nor appends to them a second time on its recompute.
 
-Notes and the experiment this follows: /work/shared/notes/trl-grpo-internals.md §10 (transformers 5.24, TRL 1.16).
+The transformers facts and the experiment this follows: docs/shared-prefix.md, "Why the split is exact" (transformers
+5.24, TRL 1.16).
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ import torch.nn as nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from rollplex_trl.prefix.state import PrefixState
+from rollplex_trl.trl_compat import (
+    CHECKPOINT_WITH_CACHE_FLAG,
+    checkpointing_is_non_reentrant,
+    fused_head_settings,
+)
 
 IGNORE_INDEX = -100  # label value that TRL's fused head (and HF losses) skip
 
@@ -157,8 +163,7 @@ def _checkpoint_backprops_into_cache(layer: nn.Module) -> bool:
     # variant only backpropagates into the layer's positional tensor arguments, and the cache is a keyword argument,
     # so gradients into the prompt's K/V would be silently dropped. Anything but an explicit use_reentrant=False
     # (transformers' own default) is treated as reentrant.
-    keywords = getattr(getattr(layer, "_gradient_checkpointing_func", None), "keywords", None) or {}
-    return keywords.get("use_reentrant") is False
+    return checkpointing_is_non_reentrant(layer)
 
 
 @contextlib.contextmanager
@@ -179,7 +184,7 @@ def _cache_safe_checkpointing(layers: nn.ModuleList) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for layer in layers:
             if _checkpoint_backprops_into_cache(layer):
-                stack.enter_context(_set_attr(layer, "_can_checkpoint_with_cache", True))
+                stack.enter_context(_set_attr(layer, CHECKPOINT_WITH_CACHE_FLAG, True))
             elif getattr(layer, "gradient_checkpointing", False):
                 stack.enter_context(_set_attr(layer, "gradient_checkpointing", False))
         yield
@@ -293,18 +298,6 @@ def prefix_forward(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _fused_head(causal_lm: nn.Module) -> dict | None:
-    """The settings of TRL's `add_fused_lm_head` patch on this model, or None if it is not patched.
-
-    The patch replaces the instance's `forward` by a closure; its free variables hold the temperature and outputs.
-    """
-    fn = getattr(vars(causal_lm).get("forward"), "__func__", None)
-    if fn is None or "fused_lm_head" not in fn.__code__.co_varnames:
-        return None
-    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
-    return {name: cell.cell_contents for name, cell in cells.items() if name in ("temperature", "outputs")}
-
-
 def _logps_from_hidden(
     causal_lm: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, temperature: float, compute_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -324,7 +317,7 @@ def _logps_from_hidden(
 
 def _suffix_forward(causal_lm: nn.Module, inputs: dict, labels: torch.Tensor, temperature: float,
                     compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    fused = _fused_head(causal_lm)
+    fused = fused_head_settings(causal_lm)
     if fused is not None:
         # A silently different temperature would give plausible but wrong log-probs: refuse instead
         if "temperature" in fused and fused["temperature"] != temperature:

@@ -1,40 +1,33 @@
-"""RollplexGRPOTrainer with use_vllm=True: TRL's options, our rollout engine (rollplex_trl/rollout/).
-
-`VLLMEngineMixin` makes GRPOTrainer build `RollplexVLLMGeneration` where it would build TRL's `VLLMGeneration`
+"""The vLLM rollout behind TRL's options: `RollplexVLLMGeneration` stands where TRL builds its `VLLMGeneration`
 (same constructor, so every `vllm_*` option of GRPOConfig is honoured exactly as TRL reads it: mode, tensor parallel
-size, sleep mode, memory utilization, max model length, server address), and routes the rollout through the engine:
+size, sleep mode, memory utilization, max model length, server address), and `VLLMRollout` is the trainer's
+component that generates through it:
 - each prompt is sent once with n = G (TRL sends G copies with n = 1);
 - the sampled tokens' log-probs come back per row for TRL's importance-sampling correction;
 - weights are synced once per optimizer step, bucketed and exact, logged as rollplex/weight_sync_s and
   rollplex/weight_sync_bytes; the KV cache is released after the rollout when sleep mode is on;
-- the prefix jobs of the overlap (trainers/overlap.py) run while vLLM generates, in the same decode window the
-  transformers rollout uses.
+- the prefix jobs of the overlap run while vLLM generates, in the decode window the caller passes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import logging
 import os
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from trl.extras.profiling import profiling_context
-from trl.generation.vllm_generation import VLLMGeneration
 
-from rollplex_trl.config import rollplex_options
+from rollplex_trl import trl_compat
 from rollplex_trl.rollout.engine import SamplingSpec, flatten_rows
 from rollplex_trl.rollout.requests import requests_for_rows
 from rollplex_trl.rollout.vllm_engine import VLLMColocateEngine, VLLMEngineConfig, cpu_platform
 from rollplex_trl.rollout.vllm_server import VLLMServerEngine
+from rollplex_trl.trl_compat import VLLMGeneration, profiling_context
 
 logger = logging.getLogger(__name__)
 
-_SWAP_LOCK = threading.Lock()
 
 
 class RollplexVLLMGeneration(VLLMGeneration):
@@ -46,7 +39,7 @@ class RollplexVLLMGeneration(VLLMGeneration):
 
     def _init_vllm(self) -> None:
         acc = self.accelerator
-        if self._dist.is_zero3 or self._dist.is_fsdp:
+        if trl_compat.vllm_generation_shards_parameters(self):
             raise NotImplementedError("the Rollplex vLLM engine reads the trainer's parameters in place; DeepSpeed "
                                       "ZeRO-3 and FSDP shard them. Use GRPOTrainer's own vLLM path for those.")
         if self.mode == "server":
@@ -57,8 +50,6 @@ class RollplexVLLMGeneration(VLLMGeneration):
             return
         if self.mode != "colocate":
             raise ValueError(f"vllm_mode must be either 'server' or 'colocate', got '{self.mode}'.")
-        from trl.trainer.utils import ensure_master_addr_port
-
         tp = self.tensor_parallel_size
         if acc.num_processes % tp:
             raise ValueError(f"tensor_parallel_size ({tp}) must divide world size ({acc.num_processes}) evenly.")
@@ -70,7 +61,7 @@ class RollplexVLLMGeneration(VLLMGeneration):
         os.environ["RANK"] = str(acc.process_index)
         os.environ["LOCAL_RANK"] = str(acc.local_process_index)
         os.environ["WORLD_SIZE"] = str(acc.num_processes)
-        ensure_master_addr_port()
+        trl_compat.ensure_master_addr_port()
         on_cpu = cpu_platform()
         self.engine = self._make_colocate_engine(VLLMEngineConfig(
             # "auto" is TRL's choice (vLLM picks); exact log-prob parity and aliasing need the trainer's dtype
@@ -82,7 +73,7 @@ class RollplexVLLMGeneration(VLLMGeneration):
             enforce_eager=on_cpu,  # CPU: torch.compile adds minutes of start-up for no benefit to this tier
         ), tp_group)
         self.llm = getattr(self.engine, "llm", None)  # TRL's tool loop reads llm.llm_engine.model_config.max_model_len
-        self._llm_weights_sleeping = False
+        trl_compat.mark_vllm_weights_awake(self)
         acc.wait_for_everyone()
 
     def _make_colocate_engine(self, config: VLLMEngineConfig, tp_group: Any):
@@ -129,66 +120,41 @@ def _broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
-def trainer_init_arguments(*args: Any, **kwargs: Any) -> dict[str, Any]:
-    """GRPOTrainer.__init__'s arguments by name (model, reward_funcs, args, train_dataset, ...), before it runs."""
-    from trl import GRPOTrainer
+class VLLMRollout:
+    """The trainer's rollout through `RollplexVLLMGeneration`: sync once per optimizer step, one request per prompt,
+    generation inside the caller's decode window, the KV cache released after."""
 
-    return inspect.signature(GRPOTrainer.__init__).bind(None, *args, **kwargs).arguments
+    def __init__(self, generation: RollplexVLLMGeneration, pad_token_id: int, device: torch.device) -> None:
+        self.generation = generation
+        self.pad_token_id = pad_token_id
+        self.device = device
 
+    def generate(self, prompt_ids: list[list[int]], images: list | None, rows: list | None, num_generations: int,
+                 *, weights_step: int, synced_step: int | None, decode_window: Callable | None,
+                 record: Callable[[str, float], None], trainer: Any = None) -> tuple[tuple, int]:
+        """(completion ids, sampling log-probs) per row, and the step whose weights the engine now holds.
 
-@contextlib.contextmanager
-def _trl_builds(factory: Callable[..., VLLMGeneration]) -> Iterator[None]:
-    """Inside the block, GRPOTrainer.__init__ calls `factory` where it constructs TRL's VLLMGeneration."""
-    import trl.trainer.grpo_trainer as grpo_module
-
-    with _SWAP_LOCK:
-        original = grpo_module.VLLMGeneration
-        grpo_module.VLLMGeneration = factory
-        try:
-            yield
-        finally:
-            grpo_module.VLLMGeneration = original
-
-
-class VLLMEngineMixin:
-    """Mixed into RollplexGRPOTrainer before OverlapMixin and GRPOTrainer."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        config = trainer_init_arguments(*args, **kwargs).get("args")
-        dtype = rollplex_options(config)["rollplex_vllm_dtype"] if config is not None else "auto"
-        with _trl_builds(functools.partial(RollplexVLLMGeneration, vllm_dtype=dtype)):
-            super().__init__(*args, **kwargs)
-
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if not self.use_vllm or not isinstance(getattr(self, "vllm_generation", None), RollplexVLLMGeneration):
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                 has_tool_images)
-        generation: RollplexVLLMGeneration = self.vllm_generation
-        mode = "train" if self.model.training else "eval"
-        if self.state.global_step != self._last_loaded_step:
-            with profiling_context(self, "sync_weights"):
-                metrics = generation.sync_weights(version=self.state.global_step)
+        `decode_window(ids, mask)`, if given, is the context the prefix jobs run in while vLLM decodes (prompts
+        left-padded, as TRL pads the prompts it scores)."""
+        generation = self.generation
+        if weights_step != synced_step:
+            with profiling_context(trainer, "sync_weights") if trainer is not None else contextlib.nullcontext():
+                metrics = generation.sync_weights(version=weights_step)
             for key, value in metrics.items():
-                self._metrics[mode][key].append(value)
-            self._last_loaded_step = self.state.global_step
-        rows = getattr(self, "_rows_to_tokenize", None)
+                record(key, value)
         requests, _ = requests_for_rows(prompt_ids, images, rows, num_generations)
-        window = self._vllm_decode_window(prompt_ids, rows)
-        with profiling_context(self, "vLLM.generate"), window:
+        window = contextlib.nullcontext() if decode_window is None else decode_window(*self._left_padded(prompt_ids))
+        with profiling_context(trainer, "vLLM.generate") if trainer is not None else contextlib.nullcontext(), window:
             results = generation.engine.generate(requests, generation.sampling_spec())
         generation.engine.sleep()
-        self._metrics[mode]["rollplex/vllm_requests_per_row"].append(len(requests) / max(1, len(prompt_ids)))
-        return flatten_rows(results)
+        record("rollplex/vllm_requests_per_row", len(requests) / max(1, len(prompt_ids)))
+        return flatten_rows(results), weights_step
 
-    def _vllm_decode_window(self, prompt_ids: list[list[int]], rows):
-        factory = self._decode_window_factory(rows) if getattr(self, "overlap_executor", None) is not None else None
-        if factory is None:
-            return contextlib.nullcontext()
-        device = self.accelerator.device
+    def _left_padded(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompt_ids)
-        ids = torch.full((len(prompt_ids), width), self._tokenizer.pad_token_id, dtype=torch.long, device=device)
+        ids = torch.full((len(prompt_ids), width), self.pad_token_id, dtype=torch.long, device=self.device)
         mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompt_ids):  # left-padded, as TRL pads the prompts it scores
-            ids[i, width - len(p):] = torch.tensor(p, device=device)
+        for i, p in enumerate(prompt_ids):
+            ids[i, width - len(p):] = torch.tensor(p, device=self.device)
             mask[i, width - len(p):] = 1
-        return factory(ids, mask)
+        return ids, mask

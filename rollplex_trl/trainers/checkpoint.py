@@ -34,7 +34,8 @@ from collections.abc import Callable, Iterator
 import torch
 from safetensors import safe_open
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
-from trl.trainer.utils import RepeatSampler
+
+from rollplex_trl.trl_compat import RepeatSampler
 
 logger = logging.getLogger(__name__)
 

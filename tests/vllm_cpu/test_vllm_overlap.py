@@ -1,6 +1,6 @@
 """The prefix overlap inside the vLLM rollout's decode window, in the main environment (no vLLM needed).
 
-The trainer runs its real vLLM code path (`RollplexVLLMGeneration`, `VLLMEngineMixin._generate_single_turn`) with
+The trainer runs its real vLLM code path (`RollplexVLLMGeneration`, `VLLMRollout.generate`) with
 a stand-in engine that samples from its own copy of the model, synced like vLLM. With the overlap on, the
 reference and old-policy prefixes are computed while the engine generates; the run must learn exactly what it learns
 with the overlap off.
@@ -10,7 +10,7 @@ import pytest
 from datasets import Dataset
 
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
-from rollplex_trl.trainers.vllm import RollplexVLLMGeneration
+from rollplex_trl.rollout.trl_vllm import RollplexVLLMGeneration
 
 from vllm_helpers import StandInEngine
 

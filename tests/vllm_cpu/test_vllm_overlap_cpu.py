@@ -87,12 +87,12 @@ def _check_scores_against_full_forward(trainer):
 
     def checked(inputs):
         taken = []
-        take = trainer._take_precomputed
-        trainer._take_precomputed = lambda kind: taken.append(kind) or take(kind)
+        take = trainer.overlap.take
+        trainer.overlap.take = lambda kind: taken.append(kind) or take(kind)
         try:
             out = original(inputs)
         finally:
-            del trainer._take_precomputed
+            del trainer.overlap.take
         ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
         mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
         C = out["completion_ids"].size(1)

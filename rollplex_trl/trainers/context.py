@@ -1,0 +1,46 @@
+"""The batch in flight: what one TRL override hands the next, in one explicit object instead of loose attributes.
+
+TRL's call chain for a generation batch is `_generate_and_score_completions` -> `_tokenize_prompts` ->
+`_generate_single_turn` -> (rewards) -> `_get_per_token_logps_and_entropies` (old, ref); for a micro-batch it is
+`compute_loss` -> `_get_per_token_logps_and_entropies` (actor). None of these pass our per-row prepared prompts
+along, so the trainer sets them here for the duration of the outer call and the inner override reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from rollplex_trl.data.prompt import PreparedPrompt
+from rollplex_trl.prefix.batch import ActorPrefix
+
+
+@dataclass
+class BatchContext:
+    """Per-batch state, set only inside the calls that own it (None outside)."""
+
+    generation_rows: list[PreparedPrompt] | None = None  # the generation batch being tokenized and sampled
+    scored_rows: list[PreparedPrompt] | None = None  # one prepared prompt per row of the log-prob pass running now
+    actor: tuple[ActorPrefix, torch.Tensor] | None = None  # the loss pass: window prefix and each row's prompt
+
+    @contextlib.contextmanager
+    def generating(self, rows: list[PreparedPrompt]) -> Iterator[None]:
+        previous = self.generation_rows, self.scored_rows
+        self.generation_rows = self.scored_rows = rows
+        try:
+            yield
+        finally:
+            self.generation_rows, self.scored_rows = previous
+
+    @contextlib.contextmanager
+    def scoring(self, rows: list[PreparedPrompt] | None,
+                actor: tuple[ActorPrefix, torch.Tensor] | None = None) -> Iterator[None]:
+        previous = self.scored_rows, self.actor
+        self.scored_rows, self.actor = rows, actor
+        try:
+            yield
+        finally:
+            self.scored_rows, self.actor = previous

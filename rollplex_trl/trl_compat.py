@@ -1,0 +1,187 @@
+"""The one module that touches TRL's and transformers' internals: a TRL upgrade is a review of this file plus the
+parity tests (tests/test_trl_compat.py fails loudly where an upstream name or signature changed, and where a private
+name is used outside this module).
+
+What lives here, each with why:
+- the supported version range (checked at import);
+- imports from inside TRL modules (not part of `trl`'s public namespace);
+- `TRL_OVERRIDES`: the private methods `RollplexGRPOTrainer` overrides, with the parameters it relies on;
+- accessors for private attributes of TRL's trainer and of its vLLM generation object;
+- the runtime patches: building our vLLM generation object where TRL builds its own, wrapping TRL's `_generate` in a
+  memory phase, reading TRL's fused-LM-head closure, and the transformers gradient-checkpointing attributes the
+  prefix pass reads and sets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import transformers
+import trl
+from packaging.version import Version
+
+# ------------------------------------------------------------------------------------------------------------------
+# Versions
+# ------------------------------------------------------------------------------------------------------------------
+
+SUPPORTED_TRL = ("1.16", "1.17")  # [min, max): every name below was read in TRL 1.16's sources
+SUPPORTED_TRANSFORMERS = ("5.16", "6")  # the vLLM tier runs 5.19, the main environment 5.24
+
+
+def check_versions(trl_version: str = trl.__version__, transformers_version: str = transformers.__version__) -> None:
+    """Refuse an untested TRL (its private methods are overridden here) or transformers major version."""
+    for name, found, (low, high) in (("trl", trl_version, SUPPORTED_TRL),
+                                     ("transformers", transformers_version, SUPPORTED_TRANSFORMERS)):
+        if not Version(low) <= Version(found) < Version(high):
+            raise ImportError(f"rollplex_trl supports {name} >={low},<{high}; found {found}. Install a supported "
+                              f"version, or review rollplex_trl/trl_compat.py against {name} {found}.")
+
+
+check_versions()
+
+# ------------------------------------------------------------------------------------------------------------------
+# Imports from inside TRL modules (why: none of these is exported by `trl` itself)
+# ------------------------------------------------------------------------------------------------------------------
+
+from trl.extras.profiling import profiling_context  # noqa: E402  TRL's timing of the vLLM generate call
+from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402  the class our vLLM engine stands in for
+from trl.trainer.grpo_trainer import is_async_callable  # noqa: E402  TRL's own test for async reward functions
+from trl.trainer.utils import RepeatSampler, ensure_master_addr_port  # noqa: E402  sampler we extend; env for vLLM
+
+__all__ = ["RepeatSampler", "VLLMGeneration", "ensure_master_addr_port", "is_async_callable", "profiling_context"]
+
+# ------------------------------------------------------------------------------------------------------------------
+# Private methods RollplexGRPOTrainer overrides: name -> (parameters we rely on, why)
+# ------------------------------------------------------------------------------------------------------------------
+
+TRL_OVERRIDES: dict[str, tuple[tuple[str, ...], str]] = {
+    "_generate_and_score_completions": (("inputs",), "prepares streamed video rows; carries each row's prepared "
+                                        "prompt through TRL's shuffling and splitting"),
+    "_tokenize_prompts": (("prompts",), "token ids and vision tensors come from the prepared prompts"),
+    "_generate_single_turn": (("prompt_ids", "images", "multimodal_fields", "num_generations"),
+                              "the shared prefill and the decode window (transformers), the vLLM engine"),
+    "_get_per_token_logps_and_entropies": (("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
+                                            "compute_entropy"), "shared-prefix log-probs; video inputs per chunk"),
+    "_get_train_sampler": (("dataset",), "a sampler that replays later epochs' order on resume"),
+    "_load_from_checkpoint": (("resume_from_checkpoint", "model"), "legacy weight names of Qwen2.5-VL"),
+    "_load_best_model": ((), "legacy weight names of Qwen2.5-VL"),
+    "_save_checkpoint": (("model", "trial"), "checkpoints written to a staging folder and renamed when complete"),
+    "_get_output_dir": (("trial",), "the staging folder while a checkpoint is written"),
+    "_push_from_checkpoint": (("checkpoint_folder",), "upload once the staged checkpoint has its final name"),
+}
+
+# ------------------------------------------------------------------------------------------------------------------
+# Private attributes of TRL's GRPOTrainer (why: TRL keeps these state holders private and offers no accessor)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def metrics(trainer: Any, training: bool) -> dict[str, list[float]]:
+    """TRL's per-mode metric lists, averaged and logged at each logging step (where `rollplex/*` go)."""
+    return trainer._metrics["train" if training else "eval"]
+
+
+def has_trl_metrics(trainer: Any) -> bool:
+    """Whether `trainer` keeps TRL's metric lists (a plain transformers Trainer does not)."""
+    return getattr(trainer, "_metrics", None) is not None
+
+
+def buffered_inputs(trainer: Any) -> list[dict]:
+    """The micro-batches of the current generation batch (TRL generates once per `steps_per_generation`)."""
+    return trainer._buffered_inputs
+
+
+def micro_step(trainer: Any) -> int:
+    """TRL's micro-step counter (which buffered micro-batch is next)."""
+    return trainer._step
+
+
+def pad_token_id(trainer: Any) -> int:
+    """The tokenizer's pad id (TRL unwraps the processor's tokenizer into `_tokenizer`)."""
+    return trainer._tokenizer.pad_token_id
+
+
+def is_vlm(trainer: Any) -> bool:
+    """Whether TRL treats the processing class as a vision-language processor."""
+    return trainer._is_vlm
+
+
+def last_loaded_step(trainer: Any) -> int | None:
+    """The optimizer step whose weights the vLLM engine holds (TRL's own counter, so its paths agree with ours)."""
+    return getattr(trainer, "_last_loaded_step", None)
+
+
+def set_last_loaded_step(trainer: Any, step: int) -> None:
+    trainer._last_loaded_step = step
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# TRL's VLLMGeneration: where it is built, and the private state our subclass keeps consistent
+# ------------------------------------------------------------------------------------------------------------------
+
+VLLM_INIT_METHOD = "_init_vllm"  # the method of VLLMGeneration that builds the engine; our subclass overrides it
+_SWAP_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def trl_builds_vllm_generation(factory: Callable[..., Any]) -> Iterator[None]:
+    """Inside the block, GRPOTrainer.__init__ calls `factory` where it constructs TRL's VLLMGeneration (it reads the
+    name from its module's globals; no constructor argument selects the class)."""
+    import trl.trainer.grpo_trainer as grpo_module
+
+    with _SWAP_LOCK:
+        original = grpo_module.VLLMGeneration
+        grpo_module.VLLMGeneration = factory
+        try:
+            yield
+        finally:
+            grpo_module.VLLMGeneration = original
+
+
+def vllm_generation_shards_parameters(generation: Any) -> bool:
+    """ZeRO-3 or FSDP: the trainer's parameters are sharded, which our in-place weight reads cannot follow."""
+    return bool(generation._dist.is_zero3 or generation._dist.is_fsdp)
+
+
+def mark_vllm_weights_awake(generation: Any) -> None:
+    """TRL's sleep bookkeeping: the engine's weights are loaded (TRL reads this before generating)."""
+    generation._llm_weights_sleeping = False
+
+
+def trainer_init_arguments(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """GRPOTrainer.__init__'s arguments by name (model, reward_funcs, args, train_dataset, ...), before it runs."""
+    return inspect.signature(trl.GRPOTrainer.__init__).bind(None, *args, **kwargs).arguments
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Runtime patches and reads of patched state
+# ------------------------------------------------------------------------------------------------------------------
+
+GENERATE_METHOD = "_generate"  # GRPOTrainer's rollout entry: no callback fires around it, so the memory ledger wraps it
+
+
+def fused_head_settings(causal_lm: torch.nn.Module) -> dict | None:
+    """The settings of TRL's `add_fused_lm_head` patch on this model, or None if it is not patched.
+
+    The patch replaces the instance's `forward` by a closure; its free variables hold the temperature and outputs
+    (TRL keeps no other record of them).
+    """
+    fn = getattr(vars(causal_lm).get("forward"), "__func__", None)
+    if fn is None or "fused_lm_head" not in fn.__code__.co_varnames:
+        return None
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+    return {name: cell.cell_contents for name, cell in cells.items() if name in ("temperature", "outputs")}
+
+
+def checkpointing_is_non_reentrant(layer: torch.nn.Module) -> bool:
+    """Whether a transformers decoder layer's gradient checkpointing is the non-reentrant kind (the partial
+    function transformers installs as `_gradient_checkpointing_func` carries `use_reentrant`)."""
+    keywords = getattr(getattr(layer, "_gradient_checkpointing_func", None), "keywords", None) or {}
+    return keywords.get("use_reentrant") is False
+
+
+CHECKPOINT_WITH_CACHE_FLAG = "_can_checkpoint_with_cache"  # transformers keeps a cache under checkpointing only then

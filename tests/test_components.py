@@ -1,0 +1,185 @@
+"""The trainer's components on their own: the support decision, the batch context, the overlap schedule and the
+actor window, each against an independent reference (a plain full forward, a hand count), without a trainer."""
+
+import contextlib
+
+import pytest
+import torch
+
+from rollplex_trl.data.prompt import prompt_identity
+from rollplex_trl.overlap import OverlapExecutor, OverlapSchedule
+from rollplex_trl.prefix import suffix_logps
+from rollplex_trl.prefix.actor import ActorWindow
+from rollplex_trl.trainers.context import BatchContext
+from rollplex_trl.trainers.support import decide_support
+
+_OPTIONS = {"rollplex_share_prefix": "auto", "rollplex_overlap": "auto"}
+
+
+def _decide(**overrides):
+    kwargs = dict(options=dict(_OPTIONS), model_type="qwen2_5_vl", aux_loss=False, has_tools=False,
+                  custom_rollout=False, sharded=False, num_processes=1, is_vlm=True, use_vllm=False,
+                  continuous_batching=False, num_beams=1)
+    kwargs.update(overrides)
+    return decide_support(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Support: one decision from the configuration
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_support_turns_everything_on_where_it_is_exact():
+    s = _decide()
+    assert (s.share_scoring, s.share_actor, s.overlap_window, s.shared_prefill, s.prepare_images) == (True,) * 5
+    assert not s.average_actor_gradients and s.notices == ()
+    assert _decide(num_processes=2).average_actor_gradients
+
+
+@pytest.mark.parametrize("blocker,words", [({"model_type": "gpt2"}, "model type 'gpt2'"),
+                                           ({"aux_loss": True}, "aux loss"), ({"has_tools": True}, "tool"),
+                                           ({"sharded": True}, "DeepSpeed/FSDP")])
+def test_support_names_each_blocker_once_and_on_refuses(blocker, words):
+    s = _decide(**blocker)
+    assert not s.share_scoring and not s.share_actor and not s.overlap_window
+    assert len([n for n in s.notices if n.startswith("rollplex_share_prefix: off")]) == 1
+    assert words in s.notices[0]
+    with pytest.raises(ValueError, match=words):
+        _decide(options={**_OPTIONS, "rollplex_share_prefix": "on"}, **blocker)
+    with pytest.raises(ValueError, match="rollplex_overlap"):
+        _decide(options={"rollplex_share_prefix": "auto", "rollplex_overlap": "on"}, **blocker)
+
+
+def test_support_beams_keep_scoring_shared_but_not_the_prefill():
+    s = _decide(num_beams=4)
+    assert s.share_scoring and not s.shared_prefill and not s.overlap_window
+    assert any("num_beams=4" in n for n in s.notices)
+    assert _decide(num_beams=4, use_vllm=True).overlap_window  # vLLM keeps its decode window
+
+
+def test_support_off_means_off_without_notices():
+    s = _decide(options={"rollplex_share_prefix": "off", "rollplex_overlap": "off"}, model_type="gpt2")
+    assert not s.share_scoring and s.notices == ()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# BatchContext
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_batch_context_restores_the_outer_batch():
+    ctx = BatchContext()
+    outer, inner = ["a"], ["b"]
+    with ctx.generating(outer):
+        assert ctx.generation_rows is outer and ctx.scored_rows is outer
+        with ctx.scoring(inner, actor=("prefix", None)):
+            assert ctx.scored_rows is inner and ctx.actor == ("prefix", None)
+        assert ctx.scored_rows is outer and ctx.actor is None
+    assert ctx.generation_rows is None and ctx.scored_rows is None
+    with pytest.raises(KeyError), ctx.scoring(inner):
+        raise KeyError
+    assert ctx.scored_rows is None
+
+
+def test_one_prompt_identity():
+    assert prompt_identity([1, 2]) == prompt_identity((1, 2)) != prompt_identity([1, 2, 3])
+    import numpy as np
+    red, blue = np.zeros((2, 2, 3), np.uint8), np.ones((2, 2, 3), np.uint8)
+    assert prompt_identity([1], images=[red]) == prompt_identity([1], images=[red.copy()])
+    assert prompt_identity([1], images=[red]) != prompt_identity([1], images=[blue])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# OverlapSchedule
+# ---------------------------------------------------------------------------------------------------------------
+
+def _schedule(mode, records, **kwargs):
+    executor = OverlapExecutor("cpu", timeout_s=30)
+    return OverlapSchedule(mode, executor, record=lambda m, training: records.append((m, training)),
+                           warn=lambda message: None, **kwargs)
+
+
+def _jobs(seen):
+    def job(name):
+        def run():
+            seen.append((name, torch.is_grad_enabled()))
+            return f"state of {name}"
+        return name, run
+    return [job("ref"), job("actor")]
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_schedule_hands_each_state_to_scoring_once(mode):
+    records, seen = [], []
+    schedule = _schedule(mode, records)
+    weight = torch.nn.Parameter(torch.zeros(2))
+    with torch.no_grad(), schedule.window(_jobs(seen), [weight], training=True):
+        pass
+    assert schedule.take("ref") == "state of ref" and schedule.take("ref") is None
+    assert schedule.take("actor") == "state of actor"
+    assert [name for name, _ in seen] == ["ref", "actor"] and all(not grad for _, grad in seen)  # caller's grad mode
+    assert records[-1][0]["rollplex/overlap_active"] == (1.0 if mode == "on" else 0.0)
+    schedule.close()
+
+
+def test_schedule_auto_counts_training_windows_only_and_asks_process_0(monkeypatch):
+    monkeypatch.setattr(OverlapSchedule, "auto_measures_on_cpu", True)
+    records, asked = [], []
+    schedule = _schedule("auto", records, broadcast=lambda decision: asked.append(decision) or True)
+    weight = torch.nn.Parameter(torch.zeros(2))
+    for training in (False, True, False, True, True, True):
+        with schedule.window(_jobs([]), [weight], training=training):
+            pass
+    active = [m["rollplex/overlap_active"] for m, training in records if training]
+    assert active == [0.0, 0.0, 1.0, 1.0]  # warm-up, serial measurement, overlapped measurement, decided ON
+    assert len(asked) == 1 and schedule.decided and schedule.active  # process 0's answer (True) won
+    assert [m["rollplex/overlap_active"] for m, training in records if not training] == [0.0, 0.0]
+    schedule.close()
+
+
+def test_schedule_auto_is_serial_on_cpu_without_measuring():
+    records = []
+    schedule = _schedule("auto", records)
+    assert schedule.decided and not schedule.active
+    schedule.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ActorWindow: the window's prefix gradient equals a plain full forward's
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_actor_window_gradients_equal_the_full_forward(tiny_qwen2_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_path), dtype=torch.float32)
+    torch.manual_seed(0)
+    vocab = model.config.vocab_size
+    # two prompts (left-padded), two completions each, split over two micro-batches as TRL scatters them
+    prompts = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
+    prompt_mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    completions = torch.randint(1, vocab, (4, 3))
+    rows_prompt = [0, 1, 1, 0]
+    micro_batches = [[0, 1], [2, 3]]
+
+    def full_forward_loss():
+        ids = torch.cat([prompts[rows_prompt], completions], 1)
+        mask = torch.cat([prompt_mask[rows_prompt], torch.ones_like(completions)], 1)
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, 3:-1]  # as TRL calls it
+        return logits.log_softmax(-1).gather(-1, completions[..., None]).sum()
+
+    full_forward_loss().backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    window = ActorWindow(contextlib.nullcontext, pad_token_id=0)
+    window_prompts = [(prompts[rows_prompt][mb], prompt_mask[rows_prompt][mb], None) for mb in micro_batches]
+    for mb in micro_batches:
+        window.open(accumulation_steps=2)
+        ids, mask = prompts[rows_prompt][mb], prompt_mask[rows_prompt][mb]
+        actor, row_to_prompt = window.prefix_for(model, ids, mask, None, window_index=0,
+                                                 window_prompts=lambda: window_prompts, precomputed=lambda: None)
+        logps, _ = suffix_logps(model, actor.leaf_state, row_to_prompt, completions[mb],
+                                torch.ones_like(completions[mb]), temperature=1.0, compute_entropy=False)
+        logps.sum().backward()
+        window.step_done(model)
+    assert window.steps_left == 0 and window.prefixes == []  # one backward through the prefix, then released
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, reference[name], rtol=1e-4, atol=1e-6, msg=name)

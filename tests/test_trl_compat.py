@@ -1,0 +1,123 @@
+"""The TRL/transformers upgrade surface: every private upstream name the package uses is in trl_compat.py,
+and each one still exists upstream with the parameters we rely on. A new private touch elsewhere fails here."""
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import transformers
+import trl
+from trl import GRPOTrainer
+
+from rollplex_trl import trl_compat
+from rollplex_trl.trainers.grpo import RollplexGRPOTrainer
+
+PACKAGE = Path(__file__).resolve().parents[1] / "rollplex_trl"
+COMPAT = PACKAGE / "trl_compat.py"
+
+
+def _upstream_private_names() -> set[str]:
+    """Private names of the upstream classes we extend or drive: their methods and the `self._x` attributes their
+    sources assign (TRL's GRPOTrainer and VLLMGeneration, transformers' Trainer)."""
+    from transformers import Trainer
+
+    classes = [GRPOTrainer, Trainer, trl_compat.VLLMGeneration]
+    names = {n for cls in classes for n in dir(cls) if n.startswith("_") and not n.startswith("__")}
+    for cls in classes:
+        source = Path(inspect.getsourcefile(cls)).read_text()
+        names |= set(re.findall(r"self\.(_[a-z]\w*)\s*=", source))
+    return names
+
+
+def _private_uses(path: Path) -> set[str]:
+    """`x._name` attribute reads/writes and `getattr(x, "_name")`-style strings in one module."""
+    tree = ast.parse(path.read_text())
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            used.add(node.attr)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"_[a-z]\w*", node.value):
+            used.add(node.value)
+    return used
+
+
+def _defined_private_names(path: Path) -> set[str]:
+    """Private names a module defines itself (methods, functions, attributes assigned on `self`)."""
+    tree = ast.parse(path.read_text())
+    defined = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name.startswith("_"):
+            defined.add(node.name)
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name)
+                and node.value.id == "self" and node.attr.startswith("_")):
+            defined.add(node.attr)
+    return defined
+
+
+def test_the_installed_versions_are_the_supported_ones():
+    trl_compat.check_versions()
+    with pytest.raises(ImportError, match="trl >=1.16,<1.17; found 1.17.0"):
+        trl_compat.check_versions(trl_version="1.17.0")
+    with pytest.raises(ImportError, match="transformers"):
+        trl_compat.check_versions(transformers_version="6.0.0")
+    assert trl_compat.SUPPORTED_TRL[0] <= trl.__version__ and transformers.__version__ >= "5.16"
+
+
+@pytest.mark.parametrize("name", sorted(trl_compat.TRL_OVERRIDES))
+def test_every_overridden_private_method_still_exists_upstream_with_our_parameters(name):
+    params, why = trl_compat.TRL_OVERRIDES[name]
+    assert why, f"{name}: say why it is overridden"
+    upstream = getattr(GRPOTrainer, name, None)
+    assert upstream is not None, f"TRL {trl.__version__} has no GRPOTrainer.{name}: review the override"
+    missing = [p for p in params if p not in inspect.signature(upstream).parameters]
+    assert not missing, f"GRPOTrainer.{name} lost parameters {missing} in TRL {trl.__version__}"
+
+
+def test_the_trainer_overrides_exactly_the_listed_private_methods():
+    ours = {name for name, value in vars(RollplexGRPOTrainer).items()
+            if name.startswith("_") and not name.startswith("__") and callable(value)}
+    upstream = {name for name in ours if hasattr(GRPOTrainer, name)}
+    assert upstream == set(trl_compat.TRL_OVERRIDES), (
+        "a private upstream method is overridden without being listed in trl_compat.TRL_OVERRIDES (or the reverse): "
+        f"{sorted(upstream ^ set(trl_compat.TRL_OVERRIDES))}")
+
+
+def test_the_vllm_generation_hooks_still_exist():
+    assert hasattr(trl_compat.VLLMGeneration, trl_compat.VLLM_INIT_METHOD)
+    assert hasattr(GRPOTrainer, trl_compat.GENERATE_METHOD)
+    import trl.trainer.grpo_trainer as grpo_module
+
+    assert grpo_module.VLLMGeneration is trl_compat.VLLMGeneration, "GRPOTrainer no longer builds VLLMGeneration"
+
+
+def test_no_module_but_trl_compat_touches_upstream_private_names():
+    upstream = _upstream_private_names()
+    listed = set(trl_compat.TRL_OVERRIDES)
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == COMPAT:
+            continue
+        # names the module defines itself are its own (a collision with an upstream name on the trainer class
+        # is caught by the override test above)
+        foreign = (_private_uses(path) & upstream) - _defined_private_names(path) - listed
+        if foreign:
+            offenders[str(path.relative_to(PACKAGE))] = sorted(foreign)
+    assert not offenders, f"private TRL/transformers names used outside trl_compat.py: {offenders}"
+
+
+def test_no_module_but_trl_compat_imports_from_inside_trl():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == COMPAT:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trl."):
+                offenders.append(f"{path.relative_to(PACKAGE)}: from {node.module}")
+            if isinstance(node, ast.Import) and any(a.name.startswith("trl.") for a in node.names):
+                offenders.append(f"{path.relative_to(PACKAGE)}: import {[a.name for a in node.names]}")
+            if isinstance(node, ast.ImportFrom) and node.module == "trl":
+                offenders += [f"{path.relative_to(PACKAGE)}: trl.{a.name} is not public"
+                              for a in node.names if not hasattr(trl, a.name)]
+    assert not offenders, offenders
