@@ -183,3 +183,56 @@ def test_actor_window_gradients_equal_the_full_forward(tiny_qwen2_path):
     assert window.steps_left == 0 and window.prefixes == []  # one backward through the prefix, then released
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, reference[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DatasetPreparation: which datasets take the prepared-prompt path
+# ---------------------------------------------------------------------------------------------------------------
+
+def _preparation(**overrides):
+    from rollplex_trl.data.prepared import MediaOptions
+    from rollplex_trl.data.video import VideoSamplingConfig
+    from rollplex_trl.trainers.media import DatasetPreparation
+
+    kwargs = dict(processor=object(), options=MediaOptions(sampling=VideoSamplingConfig()), is_vlm=True,
+                  prepare_images=False, framed=False, custom_rollout=False)
+    kwargs.update(overrides)
+    return DatasetPreparation(**kwargs)
+
+
+def test_media_leaves_text_and_unshared_image_datasets_to_trl():
+    from datasets import Dataset
+
+    from rollplex_trl.data.prepared import PreparedPromptDataset
+
+    text = Dataset.from_dict({"prompt": ["a", "b"]})
+    images = Dataset.from_dict({"prompt": ["a"], "image": ["x.png"]})
+    prep = _preparation()
+    assert prep.wrap(text, "train") is text and prep.wrap(images, "train") is images
+    assert isinstance(_preparation(prepare_images=True).wrap(images, "train"), PreparedPromptDataset)
+    assert not prep.has_video(text, images)
+
+
+def test_media_refuses_what_cannot_carry_video():
+    from datasets import Dataset
+
+    from rollplex_trl.data.errors import RollplexDataError
+
+    videos = Dataset.from_dict({"prompt": ["a"], "video": ["clip.mp4"]})
+    with pytest.raises(RollplexDataError, match="the eval dataset has a video column but the processing class is a "
+                                                "tokenizer"):
+        _preparation(is_vlm=False).wrap(videos, "eval")
+    with pytest.raises(NotImplementedError, match="tools, environments or a rollout_func"):
+        _preparation(custom_rollout=True).wrap(videos, "train")
+    with pytest.raises(RollplexDataError, match="not a datasets.IterableDataset"):
+        _preparation().wrap(torch.utils.data.IterableDataset.__new__(_Stream), "train")
+    stream = Dataset.from_dict({"prompt": ["a"], "video": ["clip.mp4"]}).to_iterable_dataset()
+    prep = _preparation(framed=True)
+    assert prep.wrap(stream, "train") is stream and prep.stream_preparer is not None and prep.has_video()
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    column_names = ["prompt", "video"]
+
+    def __iter__(self):
+        yield {"prompt": "a", "video": "clip.mp4"}
