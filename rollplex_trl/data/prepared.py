@@ -179,7 +179,24 @@ class MediaPreparer:
         return value
 
 
-class PreparedPromptDataset(torch.utils.data.Dataset):
+class _SkipCounts:
+    """What both row sources report about skipped rows: `skipped` (row -> reason) and `_valid` (valid rows read)."""
+
+    skipped: dict
+    _valid: set
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self.skipped)
+
+    @property
+    def skipped_fraction(self) -> float:
+        """Invalid rows among the distinct rows read so far (0.0 before any row was read)."""
+        rows_read = len(self._valid) + len(self.skipped)
+        return len(self.skipped) / rows_read if rows_read else 0.0
+
+
+class PreparedPromptDataset(_SkipCounts, torch.utils.data.Dataset):
     """Map-style dataset that returns rows with a `PreparedPrompt` under `rollplex_prompt`."""
 
     preparer_cls: type[MediaPreparer] = MediaPreparer
@@ -199,16 +216,6 @@ class PreparedPromptDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.base)
-
-    @property
-    def num_skipped(self) -> int:
-        return len(self.skipped)
-
-    @property
-    def skipped_fraction(self) -> float:
-        """Invalid rows among the distinct rows read so far (0.0 before any row was read)."""
-        rows_read = len(self._valid) + len(self.skipped)
-        return len(self.skipped) / rows_read if rows_read else 0.0
 
     def __getitem__(self, index: int) -> dict:
         index = int(index)
@@ -282,7 +289,7 @@ def _as_list(row: dict, columns: tuple[str, str]) -> list:
     return items
 
 
-class StreamPreparer:
+class StreamPreparer(_SkipCounts):
     """Prepares the rows of a generation batch read from an iterable (streaming) `datasets.IterableDataset`.
 
     TRL reorders a stream itself (`repeat_iterable_dataset`: each prompt G times in a row, generation batches
@@ -301,16 +308,6 @@ class StreamPreparer:
         self._cache: OrderedDict[tuple, dict] = OrderedDict()
         self._valid: set[str] = set()  # digests of the distinct valid rows read (keys would hold every prompt)
         self.skipped: dict[tuple, str] = {}
-
-    @property
-    def num_skipped(self) -> int:
-        return len(self.skipped)
-
-    @property
-    def skipped_fraction(self) -> float:
-        """Invalid rows among the distinct rows read so far (0.0 before any row was read)."""
-        rows_read = len(self._valid) + len(self.skipped)
-        return len(self.skipped) / rows_read if rows_read else 0.0
 
     def prepare_batch(self, rows: list[dict]) -> list[dict]:
         keys = [content_key(row) for row in rows]  # the G repeats arrive as separate, equal dicts
