@@ -236,3 +236,57 @@ class _Stream(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         yield {"prompt": "a", "video": "clip.mp4"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# VLLMRollout: one request per prompt, a sync per optimizer step, the decode window around generation
+# ---------------------------------------------------------------------------------------------------------------
+
+class _Engine:
+    def __init__(self):
+        self.requests, self.slept = [], 0
+
+    def generate(self, requests, spec):
+        from rollplex_trl.rollout.engine import RolloutSample
+
+        self.requests.append([(list(r.prompt_ids), r.n) for r in requests])
+        return [[RolloutSample([len(r.prompt_ids), k], [-0.5, -0.25]) for k in range(r.n)] for r in requests]
+
+    def sleep(self):
+        self.slept += 1
+
+
+class _Generation:
+    def __init__(self):
+        self.engine, self.synced = _Engine(), []
+
+    def sync_weights(self, version):
+        self.synced.append(version)
+        return {"rollplex/weight_sync_s": 0.0}
+
+    def sampling_spec(self):
+        return None
+
+
+def test_vllm_rollout_sends_each_prompt_once_and_syncs_once_per_step():
+    from rollplex_trl.rollout.trl_vllm import VLLMRollout
+
+    generation = _Generation()
+    rollout = VLLMRollout(generation, pad_token_id=0, device=torch.device("cpu"))
+    prompts = [[5, 6], [5, 6], [7, 8, 9], [7, 8, 9]]  # two prompts, G = 2, as TRL's sampler orders them
+    windows, records = [], []
+
+    @contextlib.contextmanager
+    def window(ids, mask):
+        windows.append((ids.tolist(), mask.tolist()))
+        yield
+
+    synced = None
+    for step in (0, 0, 1):
+        (ids, logprobs), synced = rollout.generate(prompts, None, None, 2, weights_step=step, synced_step=synced,
+                                                   decode_window=window, record=lambda k, v: records.append(k))
+    assert generation.synced == [0, 1], "one sync per optimizer step"
+    assert generation.engine.requests[0] == [([5, 6], 2), ([7, 8, 9], 2)], "one request per prompt, n = G"
+    assert ids == [[2, 0], [2, 1], [3, 0], [3, 1]] and logprobs == [[-0.5, -0.25]] * 4  # TRL's row order
+    assert windows[0] == ([[0, 5, 6], [0, 5, 6], [7, 8, 9], [7, 8, 9]], [[0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]])
+    assert generation.engine.slept == 3 and "rollplex/vllm_requests_per_row" in records
