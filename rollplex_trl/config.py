@@ -26,6 +26,11 @@ class RollplexGRPOConfig(GRPOConfig):
         rollplex_prefix_chunk_prompts (`int`, defaults to `8`): unique prompts per prefix forward in the no-grad
             (reference/old) passes; bounds their peak memory like TRL's per-device batch does.
 
+    Parameters that choose the training engine:
+        rollplex_backend (`"hf"` or `"megatron"`, defaults to `"hf"`): `"megatron"` trains the LLM as Megatron-Core's
+            `GPTModel`, tensor-parallel over `rollplex_tensor_parallel_size` ranks (docs/megatron.md).
+        rollplex_tensor_parallel_size (`int`, defaults to `1`): tensor-parallel degree t of the Megatron backend.
+
     Parameters that control video data (used when a dataset row has a `video` column):
         rollplex_video_fps (`float`, defaults to `2.0`): frames sampled per second of video (qwen-vl-utils' FPS).
         rollplex_video_min_frames (`int`, defaults to `4`): fewest frames sampled from one video.
@@ -95,6 +100,22 @@ class RollplexGRPOConfig(GRPOConfig):
             "help": "Keep a memory ledger by lifetime class and phase (rollout, train, optimizer, ...) and log it as "
             "rollplex/mem_*. Observation only: it moves nothing."
         },
+    )
+    rollplex_backend: Literal["hf", "megatron"] = field(
+        default="hf",
+        metadata={
+            "help": "Training engine of the policy's LLM. 'hf': transformers + accelerate (TRL's own). 'megatron': "
+            "Megatron-Core's GPTModel, tensor-parallel over rollplex_tensor_parallel_size ranks, with the vision "
+            "tower replicated and data parallelism over the remaining ranks (needs the 'megatron' extra; see "
+            "docs/megatron.md for what runs and what is verified).",
+            "choices": ["hf", "megatron"],
+        },
+    )
+    rollplex_tensor_parallel_size: int = field(
+        default=1,
+        metadata={"help": "With rollplex_backend='megatron': tensor-parallel degree t of the LLM. The world size "
+                  "(processes from accelerate launch / torchrun) must be a multiple of t; the rest is data "
+                  "parallelism. It must divide the attention heads and KV groups."},
     )
     rollplex_video_fps: float = field(
         default=2.0, metadata={"help": "Frames sampled per second of video, as qwen-vl-utils does (FPS)."}
@@ -189,6 +210,8 @@ _RULES: dict[str, _Rule] = {
     "rollplex_overlap_timeout_s": _Rule("float", "a finite number of seconds > 0", lambda v: v > 0),
     "rollplex_timeline": _Rule("bool", "true or false"),
     "rollplex_memory_ledger": _Rule("bool", "true or false"),
+    "rollplex_backend": _Rule("choice", "'hf' or 'megatron'", choices=("hf", "megatron")),
+    "rollplex_tensor_parallel_size": _Rule("int", "an integer >= 1", lambda v: v >= 1),
     "rollplex_video_fps": _Rule("float", "a finite number > 0", lambda v: v > 0),
     "rollplex_video_min_frames": _Rule("int", "an integer >= 1", lambda v: v >= 1),
     "rollplex_video_max_frames": _Rule(
@@ -261,6 +284,9 @@ def _validate(cfg: RollplexGRPOConfig) -> None:
             "need rollplex_video_min_frames <= rollplex_video_max_frames, got "
             f"{cfg.rollplex_video_min_frames} and {cfg.rollplex_video_max_frames}"
         )
+    if cfg.rollplex_backend != "megatron" and cfg.rollplex_tensor_parallel_size != 1:
+        raise ValueError(f"rollplex_tensor_parallel_size={cfg.rollplex_tensor_parallel_size} needs "
+                         "rollplex_backend='megatron' (the 'hf' backend is data-parallel only)")
     if cfg.rollplex_video_min_pixels > cfg.rollplex_video_max_pixels:
         raise ValueError(
             "need rollplex_video_min_pixels <= rollplex_video_max_pixels, got "
