@@ -73,6 +73,11 @@ TRL_OVERRIDES: dict[str, tuple[tuple[str, ...], str]] = {
     "_save_checkpoint": (("model", "trial"), "checkpoints written to a staging folder and renamed when complete"),
     "_get_output_dir": (("trial",), "the staging folder while a checkpoint is written"),
     "_push_from_checkpoint": (("checkpoint_folder",), "upload once the staged checkpoint has its final name"),
+    "_get_eval_sampler": (("eval_dataset",), "Megatron TP: the ranks of a TP group get the same rows"),
+    "_clip_grad_norm": (("model",), "Megatron backend: DP-averaged, TP-aware norm of the Megatron parameters"),
+    "_get_grad_norm": (("model", "grad_norm"), "Megatron backend: the same norm when clipping is off"),
+    "_save_optimizer_and_scheduler": (("output_dir",), "Megatron TP: each TP rank's optimizer state"),
+    "_load_optimizer_and_scheduler": (("checkpoint",), "Megatron TP: each TP rank's optimizer state"),
 }
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -93,6 +98,11 @@ def has_trl_metrics(trainer: Any) -> bool:
 def buffered_inputs(trainer: Any) -> list[dict]:
     """The micro-batches of the current generation batch (TRL generates once per `steps_per_generation`)."""
     return trainer._buffered_inputs
+
+
+def train_batch_size(trainer: Any) -> int:
+    """The per-device train batch size the Trainer's data loader uses (after auto batch-size finding)."""
+    return trainer._train_batch_size
 
 
 def micro_step(trainer: Any) -> int:
@@ -182,6 +192,23 @@ def checkpointing_is_non_reentrant(layer: torch.nn.Module) -> bool:
     function transformers installs as `_gradient_checkpointing_func` carries `use_reentrant`)."""
     keywords = getattr(getattr(layer, "_gradient_checkpointing_func", None), "keywords", None) or {}
     return keywords.get("use_reentrant") is False
+
+
+def keep_model_unwrapped(accelerator: Any, model: torch.nn.Module) -> None:
+    """The Trainer prepares `model` with `accelerator.prepare` inside `train()`, which wraps it in DDP on every
+    multi-process run (on CPU even without a trainable parameter). The Megatron backend reduces its own gradients
+    and never runs the transformers model's forward in training: ask accelerate to prepare that model as for
+    evaluation (no DDP) and without moving it: its tensors are views of the training parameters, and on a
+    multi-process CPU run accelerate's device is "cpu:0", to which `.to()` copies every tensor (ending the
+    aliasing). Other objects are prepared as before."""
+    original = accelerator.prepare_model
+
+    def prepare_model(obj, device_placement=None, evaluation_mode=False):
+        if obj is model:
+            return original(obj, device_placement=False, evaluation_mode=True)
+        return original(obj, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    accelerator.prepare_model = prepare_model
 
 
 CHECKPOINT_WITH_CACHE_FLAG = "_can_checkpoint_with_cache"  # transformers keeps a cache under checkpointing only then

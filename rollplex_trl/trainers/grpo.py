@@ -50,6 +50,11 @@ from rollplex_trl.trainers.checkpoint import (
 )
 from rollplex_trl.trainers.context import BatchContext
 from rollplex_trl.trainers.media import DatasetPreparation, media_options
+from rollplex_trl.trainers.megatron import (
+    MegatronBackend,
+    TensorParallelReplicaSampler,
+    refuse_megatron_setup,
+)
 from rollplex_trl.trainers.rewards import reject_non_finite_rewards
 from rollplex_trl.trainers.support import Support, decide_support, log_notices, refuse_before_setup
 
@@ -72,11 +77,18 @@ class RollplexGRPOTrainer(GRPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         arguments = trl_compat.trainer_init_arguments(*args, **kwargs)
         refuse_before_setup(arguments)
+        if arguments.get("args") is not None:
+            from accelerate import PartialState
+
+            refuse_megatron_setup(arguments["args"], peft_config=arguments.get("peft_config"),
+                                  world_size=PartialState().num_processes,
+                                  train_dataset=arguments.get("train_dataset"))
         vllm_dtype = rollplex_options(arguments.get("args"))["rollplex_vllm_dtype"]
         # TRL builds its vLLM generation object inside __init__: ours stands in (same constructor and options)
         with trl_compat.trl_builds_vllm_generation(functools.partial(RollplexVLLMGeneration, vllm_dtype=vllm_dtype)):
             super().__init__(*args, **kwargs)
         self.rollplex = rollplex_options(self.args)
+        self.megatron = self._build_megatron() if self.rollplex["rollplex_backend"] == "megatron" else None
         self.support = self._decide_support()
         log_notices(self.support, self.accelerator.is_main_process)
         self.batch = BatchContext()
@@ -114,7 +126,16 @@ class RollplexGRPOTrainer(GRPOTrainer):
             sharded=self.is_deepspeed_enabled or self.is_fsdp_enabled,
             num_processes=self.accelerator.num_processes, is_vlm=trl_compat.is_vlm(self), use_vllm=self.use_vllm,
             continuous_batching=bool(self.use_transformers_continuous_batching),
-            num_beams=getattr(generation_config, "num_beams", 1) or 1)
+            num_beams=getattr(generation_config, "num_beams", 1) or 1, backend=self.rollplex["rollplex_backend"])
+
+    def _build_megatron(self) -> MegatronBackend:
+        ref = self.accelerator.unwrap_model(self.ref_model) if self.ref_model is not None else None
+        trl_compat.keep_model_unwrapped(self.accelerator, self.model)  # gradients are the backend's to reduce
+        return MegatronBackend(
+            rollout_model=self.accelerator.unwrap_model(self.model), ref_model=ref,
+            tensor_parallel_size=self.rollplex["rollplex_tensor_parallel_size"], seed=self.args.seed,
+            record=lambda key, value: trl_compat.metrics(self, True)[key].append(value),
+            is_main_process=self.accelerator.is_main_process)
 
     def _build_overlap(self) -> OverlapSchedule:
         o = self.rollplex
@@ -238,6 +259,14 @@ class RollplexGRPOTrainer(GRPOTrainer):
         return [list(r.prompt_ids) for r in rows], None, generation_fields(rows)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self.megatron is not None:  # the on-policy barrier, then one view of the completions per TP group
+            self.megatron.sync_rollout()
+            completion_ids, logprobs = self._rollout(prompt_ids, images, multimodal_fields, num_generations,
+                                                     has_tool_images)
+            return self.megatron.share_completions(completion_ids, logprobs)
+        return self._rollout(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+    def _rollout(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images):
         rows = self.batch.generation_rows
         if self.vllm_rollout is not None:
             (completion_ids, logprobs), step = self.vllm_rollout.generate(
@@ -312,6 +341,12 @@ class RollplexGRPOTrainer(GRPOTrainer):
             if unexpected:
                 raise RuntimeError(f"internal error: TRL passed vision inputs {unexpected} for prepared rows")
             check_rows_match_ids(rows, input_ids[:, : input_ids.size(1) - logits_to_keep])
+        if self.megatron is not None:
+            return self.megatron.logps_and_entropies(
+                reference=model is self.ref_model, input_ids=input_ids, attention_mask=attention_mask,
+                logits_to_keep=logits_to_keep, batch_size=batch_size, temperature=self.temperature,
+                compute_entropy=compute_entropy, rows=rows, vision_kwargs=vision_kwargs,
+                autocast=self.accelerator.autocast, training=self.model.training)
         if self.batch.actor is not None:  # the policy's loss pass: suffix against this window's prefix
             actor, row_to_prompt = self.batch.actor
             P = input_ids.size(1) - logits_to_keep
@@ -377,7 +412,54 @@ class RollplexGRPOTrainer(GRPOTrainer):
     def _get_train_sampler(self, dataset=None):
         # a resumed run must see the data of later epochs in the uninterrupted run's order (trainers/checkpoint.py)
         sampler = super()._get_train_sampler(dataset)
-        return ResumableRepeatSampler.from_sampler(sampler) if type(sampler) is trl_compat.RepeatSampler else sampler
+        if type(sampler) is trl_compat.RepeatSampler:
+            sampler = ResumableRepeatSampler.from_sampler(sampler)
+        loader_batch = trl_compat.train_batch_size(self) * self.args.steps_per_generation  # TRL's loader batch
+        return self._replicate_over_tensor_parallel(sampler, loader_batch, generation_batches=True)
+
+    def _get_eval_sampler(self, eval_dataset):
+        return self._replicate_over_tensor_parallel(super()._get_eval_sampler(eval_dataset),
+                                                    self.args.per_device_eval_batch_size, generation_batches=False)
+
+    def _replicate_over_tensor_parallel(self, sampler, loader_batch_size: int, generation_batches: bool):
+        """Megatron TP: the t ranks of a TP group get the same rows (trainers/megatron.py)."""
+        if self.megatron is None or self.megatron.groups.tp_size == 1:
+            return sampler
+        t = self.megatron.groups.tp_size
+        if generation_batches and isinstance(sampler, trl_compat.RepeatSampler):
+            # TRL sized the generation batch for the world; the distinct rows are those of the DP ranks
+            if sampler.batch_size % t:
+                raise ValueError(f"the generation batch of {sampler.batch_size} prompts cannot be split over "
+                                 f"rollplex_tensor_parallel_size={t} without splitting a group; choose "
+                                 "per_device_train_batch_size / steps_per_generation so it divides")
+            sampler.batch_size //= t
+        return TensorParallelReplicaSampler(sampler, loader_batch_size, t)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Optimizer (the Megatron backend trains its own parameters, not `self.model`'s)
+    # ------------------------------------------------------------------------------------------------------------
+
+    def create_optimizer(self, model=None):
+        if self.megatron is None:
+            return super().create_optimizer(model)
+        if self.optimizer is None:
+            self.optimizer = self.megatron.create_optimizer(self.args)
+        return self.optimizer
+
+    def _clip_grad_norm(self, model):
+        if self.megatron is None:
+            return super()._clip_grad_norm(model)
+        return self.megatron.grad_norm(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if self.megatron is None:
+            return super()._get_grad_norm(model, grad_norm=grad_norm)
+        return grad_norm if grad_norm is not None else self.megatron.grad_norm(None)
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        if self.megatron is not None:  # the transformers model is what is saved: bring it to the trained weights
+            self.megatron.sync_rollout()
+        return super().save_model(output_dir, _internal_call)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         # transformers' plain load skips weights saved under legacy names (Qwen2.5-VL): see trainers/checkpoint.py
@@ -385,8 +467,20 @@ class RollplexGRPOTrainer(GRPOTrainer):
         if (not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
                 and needs_converted_load(target, resume_from_checkpoint)):
             load_model_weights(target, resume_from_checkpoint)
-            return
-        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
+        else:
+            super()._load_from_checkpoint(resume_from_checkpoint, model=model)
+        if self.megatron is not None:  # the training shards from the loaded transformers weights
+            self.megatron.reload_from_rollout(target)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.megatron is not None:  # TP rank r > 0's optimizer state (trainers/megatron.py)
+            self.megatron.save_optimizer_shard(self.optimizer, output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if self.megatron is not None and checkpoint is not None:
+            self.megatron.load_optimizer_shard(self.optimizer, checkpoint)
 
     def _load_best_model(self) -> None:
         # load_best_model_at_end reads checkpoints the same plain way: same correction
@@ -398,6 +492,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
         super()._load_best_model()
 
     def _save_checkpoint(self, model, trial) -> None:
+        if self.megatron is not None:
+            self.megatron.sync_rollout()
         # written into tmp-checkpoint-N, renamed to checkpoint-N once complete (crash safety: trainers/checkpoint.py)
         with staged_checkpoint(self, trial):
             super()._save_checkpoint(model, trial)

@@ -36,7 +36,7 @@ class Support:
 
 def decide_support(*, options: dict[str, Any], model_type: str | None, aux_loss: bool, has_tools: bool,
                    custom_rollout: bool, sharded: bool, num_processes: int, is_vlm: bool, use_vllm: bool,
-                   continuous_batching: bool, num_beams: int) -> Support:
+                   continuous_batching: bool, num_beams: int, backend: str = "hf") -> Support:
     """The decision from the configuration. Raises where the user forced ("on") something that cannot run.
 
     Sharing the prefix is exact where: the decoder is one we know (full attention, Qwen2/Qwen2.5-VL/Llama family),
@@ -56,6 +56,12 @@ def decide_support(*, options: dict[str, Any], model_type: str | None, aux_loss:
         blockers.append("tool/environment turns put non-model tokens (and images) inside completions")
     if sharded:
         blockers.append("DeepSpeed/FSDP shard parameters; the prefix pass would run outside their gather hooks")
+    # The transformers rollout's shared prefill only needs the decoder facts above; the scoring passes also need
+    # the backend to run the prefix/suffix split (not built on Megatron-Core yet: issue 13, item 3)
+    prefill_ok = share_mode != "off" and not blockers
+    if backend == "megatron":
+        blockers.append("the prefix/suffix split of the scoring passes is not built on the Megatron backend yet "
+                        "(the rollout still prefills each prompt once)")
     share = share_mode != "off" and not blockers
     if share_mode != "off" and blockers:
         message = f"rollplex_share_prefix: off: {'; '.join(blockers)}"
@@ -74,7 +80,7 @@ def decide_support(*, options: dict[str, Any], model_type: str | None, aux_loss:
             raise ValueError(message + " (set rollplex_overlap='auto' or 'off')")
         notices.append(message)
 
-    shared_prefill = share and not use_vllm and not continuous_batching
+    shared_prefill = prefill_ok and not use_vllm and not continuous_batching
     if shared_prefill and num_beams > 1:
         shared_prefill = False
         notices.append(f"rollplex: shared prefill off for generation (num_beams={num_beams}): beam search expands "
@@ -83,7 +89,7 @@ def decide_support(*, options: dict[str, Any], model_type: str | None, aux_loss:
         share_scoring=share, share_actor=share, average_actor_gradients=share and num_processes > 1,
         prepare_images=share and is_vlm and not has_tools and not custom_rollout,
         # beams: generate runs TRL's path without our window (the scoring passes compute the prefixes themselves)
-        overlap_window=not no_window and (use_vllm or shared_prefill),
+        overlap_window=not no_window and (use_vllm or shared_prefill),  # needs `share`: no_window says so
         shared_prefill=shared_prefill, notices=tuple(notices))
 
 

@@ -1,0 +1,1 @@
+"""Training backends other than the HF model itself (``rollplex_backend``)."""

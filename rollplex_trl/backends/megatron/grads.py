@@ -1,0 +1,88 @@
+"""Gradient reduction for the Megatron backend: data-parallel averaging and a tensor-parallel-aware norm clip.
+
+Within a TP group, a parameter megatron marks ``tensor_model_parallel=True`` holds a different shard on every rank
+(except rows MegatronPolicy marks ``rollplex_tp_duplicate_rows``: KV groups replicated over ranks); every other
+parameter (norms, biases of row-parallel layers, the replicated vision tower) is replicated and, after
+Megatron's own all-reduces in backward, has the same gradient on every rank of the group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from rollplex_trl.backends.megatron.parallel import ParallelGroups
+
+BUCKET_BYTES = 64 << 20
+
+
+def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Gradients grouped by dtype, each group cut into buckets of about ``bucket_bytes``."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    out = []
+    for same in by_dtype.values():
+        bucket, size = [], 0
+        for g in same:
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+            if size >= bucket_bytes:
+                out.append(bucket)
+                bucket, size = [], 0
+        if bucket:
+            out.append(bucket)
+    return out
+
+
+@torch.no_grad()
+def average_data_parallel_gradients(params: Iterable[torch.nn.Parameter], groups: ParallelGroups,
+                                    bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Replace every gradient by its mean over the data-parallel group (one all-reduce per flattened bucket).
+
+    Parameters without a gradient are skipped, so every DP rank must have gradients for the same parameters.
+    """
+    if groups.dp_size == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    for bucket in _buckets(grads, bucket_bytes):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, group=groups.dp_group)
+        flat /= groups.dp_size
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+@torch.no_grad()
+def clip_grad_norm_tensor_parallel(params: Iterable[torch.nn.Parameter], max_norm: float | None,
+                                   groups: ParallelGroups) -> torch.Tensor:
+    """The global L2 norm of the gradients of the whole (unsharded) model, and clip to ``max_norm`` like
+    ``torch.nn.utils.clip_grad_norm_`` (``max_norm`` None or 0: measure only). Same result on every rank."""
+    sharded, replicated, counted = [], [], []
+    for p in params:
+        if p.grad is None:
+            continue
+        if getattr(p, "tensor_model_parallel", False):
+            sharded.append(p.grad)
+            dup = getattr(p, "rollplex_tp_duplicate_rows", None)  # set by MegatronPolicy: rows a lower rank holds
+            counted.append(p.grad if dup is None else p.grad[~dup.to(p.grad.device)])
+        else:
+            replicated.append(p.grad)
+    device = (sharded or replicated)[0].device if (sharded or replicated) else torch.device("cpu")
+
+    def sq(grads):
+        return sum((torch.linalg.vector_norm(g.float()) ** 2 for g in grads), torch.zeros((), device=device))
+
+    total = sq(counted)
+    if groups.tp_size > 1:
+        dist.all_reduce(total, group=groups.tp_group)
+    norm = (total + sq(replicated)).sqrt()
+    if max_norm:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in sharded + replicated:
+            g.mul_(coef.to(g.dtype))
+    return norm

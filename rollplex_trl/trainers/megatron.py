@@ -1,0 +1,304 @@
+"""`rollplex_backend="megatron"` inside RollplexGRPOTrainer: what changes around TRL's step, and why.
+
+The LLM trains as Megatron-Core's GPTModel, tensor-parallel over t ranks (`backends/megatron/`); the vision tower
+is replicated (a trainable copy on every rank); the transformers model TRL built stays the **rollout engine** (its
+`generate`), with its weights bound to the training parameters (`backends/megatron/rollout_weights.py`). Processes
+come from `accelerate launch`/`torchrun`; ranks are laid out as Megatron does: TP groups are consecutive ranks, the
+data-parallel rank is `rank // t`.
+
+Around TRL's step:
+- **data**: the t ranks of a TP group must train on the same rows. Every rank still runs TRL's code as one of the
+  world's processes (so TRL's gathers, reward normalization, per-process slicing and loss normalizer all stay TRL's);
+  the sampler hands each TP peer the rows of its DP rank (`TensorParallelReplicaSampler`). The duplicated rows make
+  TRL's gathered tensors hold each DP rank's rows t times, which leaves group statistics, `process_slice` and the
+  DAPO normalizer (`num_items_in_batch / num_processes`) exactly what a DP-only run computes.
+- **rollout**: each process generates from the transformers model after the on-policy barrier (`sync_rollout`);
+  TP peers are seeded alike (`seed + dp_rank`) and their completions are then made identical by a broadcast from
+  the group's first rank, so a nondeterministic kernel cannot split a TP group's view of the batch.
+- **log-probs** (reference, old, actor): Megatron forward, vocab-parallel log-softmax (no full-vocabulary gather).
+- **gradients**: accelerate does not wrap the model in DDP (the transformers model has no trainable parameter), so
+  the gradients are averaged over the DP group here, once per optimizer step, before the TP-aware clipping.
+- **optimizer**: `torch.optim.AdamW` over this rank's training parameters (shards + the vision tower copy).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Sampler
+
+from rollplex_trl.data.prompt import PreparedPrompt, token_type_ids, vision_inputs
+
+logger = logging.getLogger(__name__)
+
+# TrainingArguments.optim values this backend builds (torch's AdamW; the fused/foreach choice is torch's default)
+SUPPORTED_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+
+
+def refuse_megatron_setup(config: Any, *, peft_config: Any, world_size: int, train_dataset: Any) -> None:
+    """Refuse what the Megatron backend cannot run, naming the fields, before any weights are loaded."""
+    if getattr(config, "rollplex_backend", "hf") != "megatron":
+        return
+    t = config.rollplex_tensor_parallel_size
+    problems = []
+    if world_size % t:
+        problems.append(f"the world size {world_size} (processes from accelerate launch / torchrun) is not a "
+                        f"multiple of rollplex_tensor_parallel_size={t}")
+    if getattr(config, "deepspeed", None) or getattr(config, "fsdp", None):
+        problems.append("DeepSpeed/FSDP shard the model themselves; with rollplex_backend='megatron' Megatron-Core "
+                        "does the sharding (remove deepspeed/fsdp from the config or the accelerate launch config)")
+    if peft_config is not None:
+        problems.append("PEFT adapters are not supported on the Megatron backend yet (use rollplex_backend='hf')")
+    if config.use_vllm:
+        problems.append("use_vllm=True with rollplex_backend='megatron' is not wired yet: the rollout engine is the "
+                        "transformers model (use_vllm=False)")
+    if config.optim not in SUPPORTED_OPTIMIZERS:
+        problems.append(f"optim={config.optim!r}: the Megatron backend builds torch's AdamW "
+                        f"(optim one of {SUPPORTED_OPTIMIZERS})")
+    if t > 1 and isinstance(train_dataset, torch.utils.data.IterableDataset):
+        problems.append("a streamed (iterable) train_dataset cannot give the t ranks of a TP group the same rows "
+                        "yet; use a map-style dataset or rollplex_tensor_parallel_size=1")
+    if problems:
+        raise ValueError("rollplex_backend='megatron': " + "; ".join(problems))
+
+
+class TensorParallelReplicaSampler(Sampler[int]):
+    """Every block of `block` indices of `inner`, `copies` times in a row.
+
+    accelerate's data loader deals the sampler's batches round-robin over the world's processes (batch i to process
+    i % world). With `block` = the loader's batch size and `copies` = t, process p gets block p // t: the t ranks of a
+    TP group (consecutive ranks) get the same rows, the rows of their DP rank. `inner` is TRL's RepeatSampler sized
+    for the DP world, so the DP ranks together see exactly what a t = 1 run with the same DP size sees.
+    """
+
+    def __init__(self, inner: Sampler[int], block: int, copies: int) -> None:
+        self.inner, self.block, self.copies = inner, block, copies
+
+    def __iter__(self) -> Iterator[int]:
+        pending: list[int] = []
+        for index in self.inner:
+            pending.append(index)
+            if len(pending) == self.block:
+                for _ in range(self.copies):
+                    yield from pending
+                pending = []
+        for _ in range(self.copies):  # a last partial block (the loader drops or pads it, as without TP)
+            yield from pending
+
+    def __len__(self) -> int:
+        return len(self.inner) * self.copies
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.inner, "set_epoch"):
+            self.inner.set_epoch(epoch)
+
+
+def _decay_groups(named: Sequence[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    # The Trainer's rule: no weight decay for biases and norm weights (names decide here: Megatron's norms are
+    # `*layernorm*`/`*norm*` modules, transformers' `*norm*`).
+    def no_decay(name: str) -> bool:
+        return name.endswith("bias") or "norm" in name.lower()
+
+    return [{"params": [p for n, p in named if not no_decay(n)], "weight_decay": weight_decay},
+            {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0}]
+
+
+class MegatronBackend:
+    """The trainer's Megatron component: the training model(s), the rollout binding, gradient reduction."""
+
+    def __init__(self, *, rollout_model: nn.Module, ref_model: nn.Module | None, tensor_parallel_size: int,
+                 seed: int, record: Callable[[str, float], None], is_main_process: bool) -> None:
+        from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel
+        from rollplex_trl.backends.megatron.rollout_weights import LiveRolloutWeights
+        from rollplex_trl.sharding import model_spec_from_config
+
+        self.groups = init_model_parallel(tensor_parallel_size)
+        self.record = record
+        self.policy = MegatronPolicy(rollout_model, self.groups)
+        if self.policy.visual is not None:
+            # The trainable vision tower is the policy's own copy; the rollout model's tower becomes views of it
+            # (LiveRolloutWeights aliases every replicated tensor), so the optimizer's update is the rollout's.
+            self.policy.visual = copy.deepcopy(self.policy.visual)
+        self.ref = None
+        if ref_model is not None:
+            self.ref = MegatronPolicy(ref_model, self.groups).requires_grad_(False).eval()
+        for p in rollout_model.parameters():
+            p.requires_grad_(False)  # also keeps accelerate from wrapping it in DDP: gradients are ours to reduce
+        self.policy.requires_grad_(True)
+        # every tensor of the rollout model, vision tower included (the policy's own spec covers the LLM only)
+        self._bind = lambda: LiveRolloutWeights(model_spec_from_config(rollout_model.config), self.policy.options,
+                                                rollout_model, self._train_param, self.groups.tp_rank,
+                                                self.groups.tp_group)
+        self.rollout = self._bind()
+        if is_main_process:
+            logger.warning("rollplex: Megatron backend, t=%d, data-parallel %d; %s", self.groups.tp_size,
+                           self.groups.dp_size, self.rollout.table())
+        self._reduced = False  # whether this optimizer step's gradients were averaged over DP already
+        # TP peers draw the same samples (the hf backend in one process draws with seed + 0, as DP rank 0 does here)
+        from transformers import set_seed
+
+        set_seed(seed + self.groups.dp_rank)
+
+    def _train_param(self, group, spec_index: int, name: str) -> nn.Parameter:
+        if name.startswith("visual."):
+            return self.policy.visual.get_parameter(name.removeprefix("visual."))
+        return self.policy.gpt.get_parameter(name.removeprefix("language_model."))
+
+    # ---- optimizer ----------------------------------------------------------------------------------------------
+
+    def trainable(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
+
+    def create_optimizer(self, args: Any) -> torch.optim.Optimizer:
+        optimizer = torch.optim.AdamW(_decay_groups(self.trainable(), args.weight_decay), lr=args.learning_rate,
+                                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+        optimizer.register_step_post_hook(self._after_optimizer_step)
+        return optimizer
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # The Trainer zeroes the grads of `self.model` (the rollout model, which has none): ours are zeroed here.
+        self.policy.zero_grad(set_to_none=True)
+        self._reduced = False
+        self.rollout.optimizer_stepped()
+
+    # ---- checkpoints --------------------------------------------------------------------------------------------
+    # The transformers model is what `save_model` writes (a from_pretrained-loadable checkpoint, synced from the
+    # shards first). The optimizer state is per TP rank: the Trainer's `optimizer.pt` holds TP rank 0's (global rank
+    # 0 writes it); TP rank r > 0 of DP rank 0 writes its own file next to it.
+
+    def optimizer_file(self, folder: str, tp_rank: int | None = None) -> str:
+        import os
+
+        r = self.groups.tp_rank if tp_rank is None else tp_rank
+        return os.path.join(folder, f"optimizer-tp{r}-of-{self.groups.tp_size}.pt")
+
+    def save_optimizer_shard(self, optimizer: torch.optim.Optimizer, folder: str) -> None:
+        if self.groups.dp_rank == 0 and self.groups.tp_rank > 0:
+            import os
+
+            os.makedirs(folder, exist_ok=True)  # the main process may not have created it yet
+            torch.save(optimizer.state_dict(), self.optimizer_file(folder))
+
+    def load_optimizer_shard(self, optimizer: torch.optim.Optimizer, folder: str) -> None:
+        import os
+
+        if self.groups.tp_rank == 0:
+            return  # the Trainer loaded optimizer.pt
+        path = self.optimizer_file(folder)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: the optimizer state of TP rank {self.groups.tp_rank} is missing; this "
+                                    f"checkpoint was not written by a rollplex_tensor_parallel_size="
+                                    f"{self.groups.tp_size} run (resume with the t it was saved with)")
+        optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+    def reload_from_rollout(self, rollout_model: nn.Module) -> None:
+        """After the Trainer loaded a checkpoint into the transformers model: the training shards from it (the
+        aliased tensors were loaded in place already; the copied ones were not)."""
+        from rollplex_trl.backends.megatron import weights
+
+        hf = dict(rollout_model.named_parameters())
+        state = weights.megatron_state(self.policy.spec, self.policy.options, self.groups.tp_rank, hf)
+        with torch.no_grad():
+            for name, param in self.policy.gpt.named_parameters():
+                param.copy_(state[name].reshape(param.shape))
+            if self.policy.visual is not None:
+                for name, param in self.policy.visual.named_parameters():
+                    param.copy_(hf[f"model.visual.{name}"])
+        # The loader may have replaced tensors instead of writing into them (which would silently end their
+        # aliasing): bind the rollout model to the training parameters again, at the same weight version.
+        version = self.rollout.version
+        self.rollout = self._bind()
+        self.rollout.version = self.rollout.synced_version = version
+
+    # ---- gradients ----------------------------------------------------------------------------------------------
+
+    def grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        """Average over the DP group (once per step), then the global norm over TP shards; clip if max_norm > 0."""
+        from rollplex_trl.backends.megatron import average_data_parallel_gradients, clip_grad_norm_tensor_parallel
+
+        params = [p for _, p in self.trainable()]
+        if not self._reduced:
+            average_data_parallel_gradients(params, self.groups)
+            self._reduced = True
+        return clip_grad_norm_tensor_parallel(params, max_norm, self.groups)
+
+    # ---- rollout ------------------------------------------------------------------------------------------------
+
+    def sync_rollout(self) -> None:
+        """The on-policy barrier: the rollout model holds the last optimizer step's weights before it generates."""
+        stats = self.rollout.sync()
+        if stats is not None:
+            self.record("rollplex/sync_bytes_copied", float(stats.bytes_copied))
+            self.record("rollplex/sync_bytes_aliased", float(stats.bytes_aliased))
+            self.record("rollplex/weight_sync_s", stats.seconds)
+        self.rollout.check_fresh()
+
+    def share_completions(self, completion_ids: list[list[int]], logprobs: Any) -> tuple[list[list[int]], Any]:
+        """The TP group's first rank's completions on every rank of the group."""
+        if self.groups.tp_size == 1:
+            return completion_ids, logprobs
+        box = [completion_ids, logprobs]
+        source = dist.get_global_rank(self.groups.tp_group, 0) if self.groups.tp_group is not None else 0
+        dist.broadcast_object_list(box, src=source, group=self.groups.tp_group)
+        return box[0], box[1]
+
+    # ---- log-probs ----------------------------------------------------------------------------------------------
+
+    def logps_and_entropies(self, *, reference: bool, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                            logits_to_keep: int, batch_size: int | None, temperature: float, compute_entropy: bool,
+                            rows: Sequence[PreparedPrompt] | None, vision_kwargs: dict[str, Any],
+                            autocast: Callable[[], Any], training: bool):
+        """TRL's `_get_per_token_logps_and_entropies` on the Megatron model, chunked like TRL's."""
+        model = self.ref if reference else self.policy
+        if model is None:
+            raise RuntimeError("internal error: reference log-probs requested without a reference model")
+        model.train(training and not reference)
+        batch_size = batch_size or input_ids.size(0)
+        prompt_length = input_ids.size(1) - logits_to_keep
+        all_logps, all_entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            end = min(start + batch_size, input_ids.size(0))
+            ids, mask = input_ids[start:end], attention_mask[start:end]
+            if rows is not None:
+                chunk = list(rows[start:end])
+                vision = vision_inputs(chunk, ids.device)
+                vision["mm_token_type_ids"] = token_type_ids(chunk, prompt_length, ids.size(1), ids.device)
+            else:
+                vision = _chunk_vision(vision_kwargs, start, end, input_ids.size(0))
+            with autocast():
+                logps, entropies = model.token_logps(ids, mask, logits_to_keep, temperature=temperature,
+                                                     compute_entropy=compute_entropy, **vision)
+            all_logps.append(logps)
+            if compute_entropy:
+                all_entropies.append(entropies)
+        return torch.cat(all_logps), (torch.cat(all_entropies) if compute_entropy else None), None
+
+
+def _chunk_vision(vision_kwargs: dict[str, Any], start: int, end: int, rows: int) -> dict[str, Any]:
+    """TRL's image inputs for rows [start, end): its per-row tensors sliced as TRL slices them (pixel_values are
+    flat over images, cut by image_grid_thw)."""
+    kwargs = {k: v for k, v in vision_kwargs.items() if v is not None}
+    if not kwargs:
+        return {}
+    if start == 0 and end == rows:
+        return {k: kwargs[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if k in kwargs}
+    unsupported = sorted(set(kwargs) - {"pixel_values", "image_grid_thw", "mm_token_type_ids", "num_images"})
+    if unsupported:
+        raise NotImplementedError(f"Megatron backend: vision inputs {unsupported} are not supported yet")
+    out: dict[str, Any] = {}
+    grid = kwargs.get("image_grid_thw")
+    if grid is not None:
+        per_row = kwargs.get("num_images") or [1] * rows
+        first, last = sum(per_row[:start]), sum(per_row[:end])
+        sizes = grid.prod(-1)
+        out["image_grid_thw"] = grid[first:last]
+        out["pixel_values"] = kwargs["pixel_values"][int(sizes[:first].sum()):int(sizes[:last].sum())]
+    if "mm_token_type_ids" in kwargs:
+        out["mm_token_type_ids"] = kwargs["mm_token_type_ids"][start:end]
+    return out

@@ -1,0 +1,87 @@
+"""rollplex_trl.megatron_compat: the version guard, and every CPU shim both needed (its probe fails without it, in a
+fresh process) and sufficient (the probe passes with it). A megatron-core upgrade that fixes one of these paths
+makes the "without" half fail: then the shim can go."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+import rollplex_trl.megatron_compat as compat  # noqa: E402
+
+WORKER = Path(__file__).with_name("megatron_worker.py")
+PROBES = {  # probe -> (shim, what megatron-core does without it)
+    "current_device:rope": ("current_device", "NVIDIA"),
+    "current_device:memory_buffer": ("current_device", "NVIDIA"),
+    "current_device:all_gather": ("current_device", "NVIDIA"),
+    "rng_tracker": ("rng_tracker", "is not added"),
+    "causal_mask": ("causal_mask", "NVIDIA"),
+    "autocast:linear": ("autocast", "same dtype"),
+    "autocast:frozen_linear": ("autocast", "same dtype"),
+}
+
+
+@pytest.fixture(scope="module")
+def probes():
+    if torch.cuda.is_available():
+        pytest.skip("the CPU shims apply only without CUDA")
+    done = subprocess.run([sys.executable, str(WORKER), "probes"], capture_output=True, text=True, timeout=300,
+                          cwd=WORKER.parent)
+    line = [x for x in done.stdout.splitlines() if x.startswith("PROBES ")]
+    assert line, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads(line[0].removeprefix("PROBES "))
+
+
+@pytest.mark.parametrize("probe", sorted(PROBES))
+def test_shim_is_needed_and_sufficient(probes, probe):
+    _shim, symptom = PROBES[probe]
+    assert symptom in probes[f"without:{probe}"], f"megatron-core no longer fails here: {probes[f'without:{probe}']}"
+    assert probes[f"with:{probe}"] == "ok"
+
+
+def test_every_shim_is_probed_and_applied(probes):
+    assert set(probes["applied"]) == set(compat.SHIMS) == {shim for shim, _ in PROBES.values()}
+    assert probes["applied_again"] == probes["applied"]  # idempotent: a second call is harmless
+
+
+def test_shims_are_idempotent_and_scoped():
+    import importlib
+
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.tensor_parallel import random as mrandom
+
+    compat.apply_cpu_shims()
+    tracker = mrandom.get_cuda_rng_tracker()
+    forward = layers.LinearWithGradAccumulationAndAsyncCommunication.forward
+    proxies = [importlib.import_module(m).torch for m in compat.CURRENT_DEVICE_MODULES]
+    compat.apply_cpu_shims()
+    assert mrandom.get_cuda_rng_tracker() is tracker
+    assert layers.LinearWithGradAccumulationAndAsyncCommunication.forward is forward
+    assert [importlib.import_module(m).torch for m in compat.CURRENT_DEVICE_MODULES] == proxies
+    # scoped: megatron's modules see the CPU as current device, torch itself is untouched
+    assert proxies[0].cuda.current_device() == torch.device("cpu")
+    assert proxies[0].Tensor is torch.Tensor
+    with pytest.raises(Exception):  # noqa: B017  torch's own answer without a GPU
+        torch.cuda.current_device()
+
+
+def test_version_guard(monkeypatch):
+    assert compat.check_megatron_version("0.16.1") == "0.16.1"
+    with pytest.raises(ImportError, match=r"megatron-core >=0\.16,<0\.17; found 0\.15\.2.*rollplex-trl\[megatron\]"):
+        compat.check_megatron_version("0.15.2")
+    with pytest.raises(ImportError, match=r"found 0\.17\.0"):
+        compat.check_megatron_version("0.17.0")
+
+    def missing(_name):
+        raise compat.PackageNotFoundError(_name)
+
+    monkeypatch.setattr(compat, "version", missing)
+    with pytest.raises(ImportError, match=r"pip install 'rollplex-trl\[megatron\]'"):
+        compat.check_megatron_version()

@@ -1,0 +1,74 @@
+"""One process of tests/megatron/test_megatron_trainer.py: a short video GRPO run on either backend, its logs and
+final weights (the transformers model's: on the Megatron backend, the rollout weights synced from the shards) to
+files. Run in-process (one process) or under torchrun (gloo)."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = "") -> dict:
+    """mode: "" (fp32), "bf16" (TRL's defaults: bf16 autocast + gradient checkpointing), "save" (checkpoint at
+    step 2, output_dir run-<tag>), "resume:<tag>" (resume from a copy of run-<tag>'s checkpoint-2)."""
+    sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..")]
+    import torch
+    from datasets import Dataset
+
+    from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
+
+    from helpers import video_rows
+
+    rank = int(os.environ.get("RANK", 0))
+    rows = video_rows(Path(out) / f"media-{tag}-{rank}", lambda i: "Q" * i)
+
+    def reward(completions, **kwargs):
+        return [float(len(c[0]["content"]) % 5) for c in completions]
+
+    bf16 = mode == "bf16"
+    output_dir = f"{out}/run-{tag}"
+    resume = None
+    if mode.startswith("resume:"):
+        import shutil
+
+        if rank == 0:
+            shutil.copytree(f"{out}/run-{mode.split(':', 1)[1]}", output_dir)
+        resume = f"{output_dir}/checkpoint-2"
+    args = RollplexGRPOConfig(
+        output_dir=output_dir, max_steps=3, per_device_train_batch_size=2, num_generations=2,
+        gradient_accumulation_steps=2, max_completion_length=6, learning_rate=5e-3, beta=0.1, logging_steps=1,
+        report_to=[], seed=5, use_cpu=True, bf16=bf16, gradient_checkpointing=bf16,
+        save_strategy="steps" if mode == "save" else "no", save_steps=2,
+        ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None, rollplex_backend=backend,
+        rollplex_tensor_parallel_size=tp,
+        rollplex_video_min_pixels=4 * 28 * 28, rollplex_video_max_pixels=56 * 84)
+    trainer = RollplexGRPOTrainer(model=checkpoint, reward_funcs=reward, args=args,
+                                  train_dataset=Dataset.from_list(rows * 2))
+    if resume:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()  # rank 0 copied the checkpoint
+    trainer.train(resume_from_checkpoint=resume)
+    if trainer.megatron is not None:
+        trainer.megatron.sync_rollout()
+    if mode == "save":
+        trainer.save_model(f"{out}/final-{tag}")
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    torch.save(weights, Path(out) / f"{tag}-rank{rank}-weights.pt")
+    keys = ("loss", "kl", "grad_norm", "reward", "entropy")
+    result = {"world": trainer.accelerator.num_processes,
+              "logs": [{k: r.get(k) for k in keys} | {m: v for m, v in r.items() if m.startswith("rollplex/sync")}
+                       for r in trainer.state.log_history if "loss" in r],
+              "steps": [r["step"] for r in trainer.state.log_history if "loss" in r]}
+    Path(out, f"{tag}-rank{rank}.json").write_text(json.dumps(result))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+    return result
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], *sys.argv[6:7])
