@@ -5,6 +5,9 @@
   says where the checkpoint and logs went.
 - `rollplex-trl build-checkpoint`: writes a local checkpoint (tiny/small Qwen2.5-VL or Qwen2).
 - `rollplex-trl make-synthetic`: writes the synthetic video task in Video-R1 format.
+- `rollplex-trl make-toy-data`: writes a toy text or image dataset (files `datasets.load_dataset` reads).
+- `rollplex-trl grpo`: TRL's `trl grpo` with `RollplexGRPOTrainer` (`rollplex_trl.grpo_script`): the same arguments,
+  `--config recipe.yaml` (examples/recipes/), every `rollplex_*` field; started through `accelerate launch`.
 """
 
 from __future__ import annotations
@@ -44,6 +47,13 @@ def _make_synthetic(args: argparse.Namespace) -> int:
     return 0
 
 
+def _make_toy_data(args: argparse.Namespace) -> int:
+    from rollplex_trl.data.toy import write_toy_dataset
+
+    print(write_toy_dataset(args.output_dir, args.kind, size=args.num_samples, seed=args.seed))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollplex-trl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,6 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("--size", type=int, default=112)
     syn.add_argument("--seed", type=int, default=0)
     syn.set_defaults(func=_make_synthetic)
+
+    toy = sub.add_parser("make-toy-data", help="write a toy text or image dataset (for examples/recipes)")
+    toy.add_argument("--output-dir", required=True)
+    toy.add_argument("--kind", default="text", choices=["text", "image"])
+    toy.add_argument("--num-samples", type=int, default=64)
+    toy.add_argument("--seed", type=int, default=0)
+    toy.set_defaults(func=_make_toy_data)
+
+    # listed here for --help only: main() hands `grpo`'s arguments to the TRL parser untouched (see main)
+    sub.add_parser("grpo", add_help=False,
+                   help="TRL's `trl grpo` with RollplexGRPOTrainer (`rollplex-trl grpo --help` lists its options)")
     from rollplex_trl.memory.cli import register_cli as _memory
     _memory(sub)
     from rollplex_trl.sharding.cli import register_cli as _sharding
@@ -76,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["grpo"]:
+        # `grpo` takes TRL's arguments, any `rollplex_*` field and `accelerate launch`'s flags: TrlParser sorts them,
+        # not argparse's subcommand parser (which would reject the launcher's flags)
+        from rollplex_trl.grpo_script import launch
+
+        return launch(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

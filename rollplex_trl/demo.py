@@ -117,8 +117,21 @@ def run_demo(args: argparse.Namespace) -> int:
     rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
     print(f"[rollplex-trl] trained {trainer.state.global_step} steps in {elapsed:.1f} s; "
           f"mean reward per step: {', '.join(f'{r:.3f}' for r in rewards)}")
+    _ask_about_first_clip(trainer, config, dataset)
     print(f"[rollplex-trl] done. checkpoint: {final} | logs: {log_file}")
     return 0
+
+
+def _ask_about_first_clip(trainer, config, dataset) -> None:
+    """Ask the trained model the first clip's question, its frames sampled as in training (PyAV, not torchcodec)."""
+    from rollplex_trl.data import extract_answer
+    from rollplex_trl.inference import ask_about_video, sampling_from_config
+
+    row = dataset[0]
+    answer = ask_about_video(trainer.model, trainer.processing_class, row["video"], row["prompt"],
+                             sampling=sampling_from_config(config), max_new_tokens=config.max_completion_length)
+    print(f"[rollplex-trl] asked the trained model about {Path(row['video']).name}: {answer[:200]!r} "
+          f"(solution: {extract_answer(row['solution'])})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -162,6 +162,31 @@ def mark_vllm_weights_awake(generation: Any) -> None:
     generation._llm_weights_sleeping = False
 
 
+def trl_named_rewards() -> dict[str, Any]:
+    """TRL's named reward functions with the settings `trl grpo` registers them under (`trl.rewards` is a TRL
+    submodule; `rollplex-trl grpo --reward_funcs NAME` resolves the same names)."""
+    from trl.rewards import (
+        accuracy_reward,
+        get_soft_overlong_punishment,
+        reasoning_accuracy_reward,
+        think_format_reward,
+    )
+
+    return {
+        "accuracy_reward": accuracy_reward,
+        "reasoning_accuracy_reward": reasoning_accuracy_reward,
+        "think_format_reward": think_format_reward,
+        "get_soft_overlong_punishment": get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256),
+    }
+
+
+def resolve_accelerate_config_argument(launcher_args: list[str]) -> list[str]:
+    """TRL's reading of `--accelerate_config NAME|PATH` into `accelerate launch` arguments (as `trl grpo` does)."""
+    from trl.cli.accelerate_config import resolve_accelerate_config_argument as resolve
+
+    return resolve(launcher_args)
+
+
 def trainer_init_arguments(*args: Any, **kwargs: Any) -> dict[str, Any]:
     """GRPOTrainer.__init__'s arguments by name (model, reward_funcs, args, train_dataset, ...), before it runs."""
     return inspect.signature(trl.GRPOTrainer.__init__).bind(None, *args, **kwargs).arguments

@@ -30,6 +30,7 @@ import torch
 from trl import GRPOTrainer
 
 from rollplex_trl import trl_compat
+from rollplex_trl.callbacks.trackers import TimelineImageCallback
 from rollplex_trl.config import rollplex_options
 from rollplex_trl.data.prepared import PREPARED_KEY, VIDEO_COLUMNS
 from rollplex_trl.data.prompt import PreparedPrompt, check_rows_match_ids, generation_fields
@@ -111,6 +112,9 @@ class RollplexGRPOTrainer(GRPOTrainer):
         self.memory_ledger = self._setup_memory_ledger() if self.rollplex["rollplex_memory_ledger"] else None
         self.reward_funcs = [reject_non_finite_rewards(f, name)
                              for f, name in zip(self.reward_funcs, self.reward_func_names, strict=True)]
+        if self.rollplex["rollplex_timeline"] and not any(isinstance(c, TimelineImageCallback)
+                                                          for c in self.callback_handler.callbacks):
+            self.add_callback(TimelineImageCallback(self))  # the timeline as an image in image-taking trackers
 
     # ------------------------------------------------------------------------------------------------------------
     # Setup

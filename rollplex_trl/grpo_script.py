@@ -1,0 +1,217 @@
+"""`rollplex-trl grpo`: TRL's GRPO script (`trl grpo`, `trl/scripts/grpo.py` in TRL 1.16) training with
+`RollplexGRPOTrainer`.
+
+The same arguments as `trl grpo`: TRL's `ScriptArguments` (`--dataset_name`, splits, streaming), `ModelConfig`
+(`--model_name_or_path`, `--dtype`, LoRA via `--use_peft`), `DatasetMixtureConfig` (a `datasets:` list in the YAML),
+`--reward_funcs` (TRL's names or any dotted import path), `--reward_model_name_or_path`, every `GRPOConfig` field, and
+a YAML `--config recipe.yaml` whose keys are any of these (the command line overrides them). On top: every
+`rollplex_*` field of `RollplexGRPOConfig`, and a Video-R1-format annotation file as the dataset
+(`--video_r1_annotations`, read by `rollplex_trl.data.load_video_r1`).
+
+As `trl grpo` does, `rollplex-trl grpo` starts the training through `accelerate launch`: arguments the script does
+not know (`--num_processes 2`, `--multi_gpu`, `--config_file ...`, or `--accelerate_config <file or TRL config
+name>`) go to the launcher. `python -m rollplex_trl.grpo_script ...` runs the script itself in this process (what
+each launched process runs); :func:`run` does the same from Python.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl import ScriptArguments
+
+SCRIPT_MODULE = "rollplex_trl.grpo_script"
+
+
+@dataclass
+class GRPOScriptArguments(ScriptArguments):
+    """TRL's GRPO script arguments, plus a Video-R1-format annotation file as the dataset."""
+
+    reward_model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Reward model: a local path to a sequence-classification checkpoint (or a hub id)."},
+    )
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Reward functions: TRL's `accuracy_reward`, `reasoning_accuracy_reward`, `think_format_reward`, "
+            "`get_soft_overlong_punishment`, or any dotted import path (e.g. 'rollplex_trl.data.accuracy_reward' "
+            "for Video-R1's accuracy, 'my_lib.rewards.custom_reward')."
+        },
+    )
+    video_r1_annotations: str | None = field(
+        default=None,
+        metadata={"help": "A Video-R1-format annotation file (JSON list or JSONL; `rollplex-trl make-synthetic` "
+                  "writes one) as the training dataset, instead of --dataset_name / datasets."},
+    )
+    video_r1_data_root: str | None = field(
+        default=None,
+        metadata={"help": "Folder that `./...` media paths of --video_r1_annotations are resolved against "
+                  "(default: the file's folder)."},
+    )
+    video_r1_on_invalid: str = field(
+        default="error",
+        metadata={"help": "Invalid Video-R1 rows (unknown problem type, missing file, ...): raise, or drop them "
+                  "and report how many.", "choices": ["error", "skip"]},
+    )
+
+
+def reward_registry() -> dict[str, Callable]:
+    """TRL's named reward functions (the same names and settings as `trl grpo`)."""
+    from rollplex_trl import trl_compat
+
+    return trl_compat.trl_named_rewards()
+
+
+def load_reward_funcs(script_args: GRPOScriptArguments) -> list:
+    """The reward model path (if any) and each `--reward_funcs` entry: a TRL name or a dotted import path."""
+    registry = reward_registry()
+    reward_funcs: list = []
+    if script_args.reward_model_name_or_path:
+        reward_funcs.append(script_args.reward_model_name_or_path)
+    for name in script_args.reward_funcs or []:
+        if name in registry:
+            reward_funcs.append(registry[name])
+        elif "." in name:
+            module_path, func_name = name.rsplit(".", 1)
+            sys.path.insert(0, os.getcwd())  # as TRL: a module next to the recipe (my_rewards.py) imports
+            reward_funcs.append(getattr(importlib.import_module(module_path), func_name))
+        else:
+            raise ValueError(f"Could not load reward function '{name}'. Expected one of {list(registry)} or a valid "
+                             "import path.")
+    if not reward_funcs:
+        raise ValueError("no reward: pass --reward_funcs (TRL's names or dotted import paths) and/or "
+                         "--reward_model_name_or_path")
+    return reward_funcs
+
+
+def load_datasets(script_args: GRPOScriptArguments, dataset_args: Any, training_args: Any) -> tuple[Any, Any]:
+    """(train, eval) datasets: a Video-R1 annotation file, TRL's dataset mixture, or `--dataset_name`."""
+    from datasets import load_dataset
+    from trl import get_dataset
+
+    eval_wanted = training_args.eval_strategy != "no"
+    sources = [bool(script_args.video_r1_annotations), bool(dataset_args.datasets), bool(script_args.dataset_name)]
+    if script_args.video_r1_annotations:
+        if sum(sources) > 1:
+            raise ValueError("give one dataset: --video_r1_annotations, or --dataset_name / datasets, not both")
+        if eval_wanted:
+            raise ValueError("--video_r1_annotations gives a training set only; set --eval_strategy no")
+        from rollplex_trl.data import load_video_r1
+
+        return load_video_r1(script_args.video_r1_annotations, script_args.video_r1_data_root,
+                             on_invalid=script_args.video_r1_on_invalid), None
+    if dataset_args.datasets:  # TRL: `datasets` wins over `dataset_name`
+        dataset = get_dataset(dataset_args)
+    elif script_args.dataset_name:
+        dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config,
+                               streaming=script_args.dataset_streaming)
+    else:
+        raise ValueError("Either `datasets`, `dataset_name` or `video_r1_annotations` must be provided.")
+    train = dataset[script_args.dataset_train_split]
+    return train, dataset[script_args.dataset_test_split] if eval_wanted else None
+
+
+def main(script_args: GRPOScriptArguments, training_args: Any, model_args: Any, dataset_args: Any):
+    """TRL's `grpo.py` `main` with `RollplexGRPOTrainer`; returns the trainer after training and saving."""
+    import transformers
+    from packaging.version import Version
+    from trl import get_peft_config, get_quantization_config
+
+    from rollplex_trl import RollplexGRPOTrainer
+
+    if model_args.model_name_or_path is None:
+        raise ValueError("pass --model_name_or_path (a local checkpoint; `rollplex-trl build-checkpoint --output-dir "
+                         "DIR` writes a tiny Qwen2.5-VL, `--kind qwen2` a tiny text model)")
+    reward_funcs = load_reward_funcs(script_args)
+    model_init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
+                             attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)
+    model_init_kwargs.update(training_args.model_init_kwargs or {})
+    training_args.model_init_kwargs = model_init_kwargs
+    train_dataset, eval_dataset = load_datasets(script_args, dataset_args, training_args)
+
+    trainer = RollplexGRPOTrainer(
+        model=model_args.model_name_or_path,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        quantization_config=get_quantization_config(model_args),
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.accelerator.print("Training completed.")
+    trainer.save_model(training_args.output_dir)
+    trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    if Version(transformers.__version__) >= Version("5.18.0"):
+        trainer.end()  # finish the trackers (and, multi-process, the process group), as TRL's script does
+    return trainer
+
+
+def make_parser(prog: str | None = None):
+    """TRL's parser for `trl grpo` with `RollplexGRPOConfig` in place of `GRPOConfig`."""
+    from trl import DatasetMixtureConfig, ModelConfig, TrlParser
+
+    from rollplex_trl import RollplexGRPOConfig
+
+    return TrlParser((GRPOScriptArguments, RollplexGRPOConfig, ModelConfig, DatasetMixtureConfig), prog=prog)
+
+
+def parse(argv: Sequence[str] | None = None) -> tuple:
+    """(script_args, training_args, model_args, dataset_args) from `argv` (default: `sys.argv[1:]`)."""
+    parser = make_parser(prog="rollplex-trl grpo")
+    return tuple(parser.parse_args_and_config(list(argv) if argv is not None else None,
+                                              fail_with_unknown_args=False)[:4])
+
+
+def run(argv: Sequence[str] | None = None):
+    """Parse `argv` and train in this process (no launcher); returns the trainer."""
+    return main(*parse(argv))
+
+
+def _subtract_subsequence(items: list[str], subsequence: list[str]) -> list[str]:
+    """`items` without the ordered `subsequence` (TRL's helper: the launcher's flags out of the script's)."""
+    rest = iter(subsequence)
+    current = next(rest, None)
+    result = []
+    for item in items:
+        if current is not None and item == current:
+            current = next(rest, None)
+        else:
+            result.append(item)
+    return result
+
+
+def launch(argv: Sequence[str]) -> int:
+    """`rollplex-trl grpo ARGS`: split ARGS into the script's and `accelerate launch`'s, as `trl grpo` does, and
+    start `accelerate launch [launcher args] -m rollplex_trl.grpo_script [script args]`.
+
+    `-m` (not the file's path) so that each process imports the installed package, not the folder of the file.
+    """
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    from rollplex_trl.trl_compat import resolve_accelerate_config_argument
+
+    all_args = list(argv)
+    # -h/--help prints the script's options and exits; the unknown strings are the launcher's
+    *_, config_remaining, cli_remaining = make_parser(prog="rollplex-trl grpo").parse_args_and_config(
+        all_args, return_remaining_strings=True, separate_remaining_strings=True)
+    launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
+    script_args = _subtract_subsequence(all_args, cli_remaining)
+    try:
+        launch_command(launch_command_parser().parse_args([*launch_args, "-m", SCRIPT_MODULE, *script_args]))
+    except subprocess.CalledProcessError as error:  # the single-process launcher: the script failed (its traceback
+        return error.returncode or 1  # is already printed)
+    return 0
+
+
+if __name__ == "__main__":
+    run()
