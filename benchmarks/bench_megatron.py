@@ -1,0 +1,161 @@
+"""Benchmark: the Megatron backend (t = 1, t = 2) against the `hf` backend on the same video GRPO workload.
+
+Every configuration trains the same local Qwen2.5-VL (preset `small` by default) on the synthetic video task for
+`--steps` steps with the same seed and batch, and reports the median of TRL's `step_time` (the first step is a
+warm-up and dropped), side by side in one run, with the ratios to the `hf` backend:
+
+- `hf, prefix off`: transformers + accelerate, TRL's full forward for every completion (the Megatron backend does
+  not share the prefix in its scoring passes yet, so this is the like-for-like baseline),
+- `hf` (default): the same with the shared prefix on, for reference,
+- `megatron t=1`: one process, Megatron-Core GPTModel,
+- `megatron t=2`: two processes (gloo, torchrun), the LLM split over both; on a 2-core machine each process gets one
+  intra-op thread, as the single-process runs get two.
+
+For the Megatron runs it also reports the live weight-sync bytes per optimizer step (`rollplex/sync_bytes_copied`,
+`rollplex/sync_bytes_aliased`) next to the sharding planner's numbers for the same model and (t, r = 1). The plan
+describes a vLLM rollout at TP r (fused q/k/v and gate/up); the rollout engine here is the transformers model, whose
+separate q/k/v tensors cannot alias Megatron's per-group interleaved QKV, hence more copied bytes than planned.
+
+Usage:  .venv/bin/python benchmarks/bench_megatron.py [--quick] [--out benchmarks/results/megatron.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+RUNS = [("hf, prefix off", "hf", 1, "off"), ("hf (shared prefix)", "hf", 1, "auto"),
+        ("megatron t=1", "megatron", 1, "auto"), ("megatron t=2", "megatron", 2, "auto")]
+
+
+def worker(argv: list[str]) -> None:
+    """One training run (in a child process; under torchrun for t > 1); writes its step times and sync bytes."""
+    model_path, data, out, backend, tp, share, steps, G, C = argv
+    import torch
+
+    from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
+    from rollplex_trl.data import accuracy_reward, format_reward, load_video_r1
+
+    config = RollplexGRPOConfig(
+        output_dir=out, max_steps=int(steps), per_device_train_batch_size=int(G) * 2, num_generations=int(G),
+        max_completion_length=int(C), generation_kwargs={"min_new_tokens": int(C)}, beta=0.04, learning_rate=1e-6,
+        logging_steps=1, report_to=[], save_strategy="no", seed=0, use_cpu=not torch.cuda.is_available(),
+        bf16=False, gradient_checkpointing=True, ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
+        rollplex_backend=backend, rollplex_tensor_parallel_size=int(tp), rollplex_share_prefix=share,
+        rollplex_video_max_frames=4, rollplex_video_min_pixels=28 * 28 * 4, rollplex_video_max_pixels=56 * 56)
+    trainer = RollplexGRPOTrainer(model=model_path, reward_funcs=[accuracy_reward, format_reward], args=config,
+                                  train_dataset=load_video_r1(data))
+    trainer.train()
+    logs = [r for r in trainer.state.log_history if "step_time" in r]
+    result = {"step_s": [r["step_time"] for r in logs],
+              "sync_bytes_copied": [r["rollplex/sync_bytes_copied"] for r in logs if "rollplex/sync_bytes_copied" in r],
+              "sync_bytes_aliased": [r["rollplex/sync_bytes_aliased"] for r in logs
+                                     if "rollplex/sync_bytes_aliased" in r]}
+    if int(os.environ.get("RANK", 0)) == 0:
+        Path(out, "result.json").write_text(json.dumps(result))
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(model_path: Path, data: Path, tmp: Path, name: str, backend: str, tp: int, share: str, args) -> dict:
+    out = tmp / name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "").replace("=", "")
+    common = [str(model_path), str(data), str(out), backend, str(tp), share, str(args.steps), str(args.G), str(args.C)]
+    threads = max(1, (os.cpu_count() or 2) // tp)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+    if tp > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp}", f"--master-port={_port()}",
+               __file__, "--worker", *common]
+    else:
+        cmd = [sys.executable, __file__, "--worker", *common]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{done.stderr[-4000:]}")
+    return json.loads((out / "result.json").read_text())
+
+
+def _plan_bytes(model_path: Path, tp: int) -> dict:
+    from transformers import AutoConfig
+
+    from rollplex_trl.sharding import ShardingOptions, model_spec_from_config, plan_sharding
+    from rollplex_trl.sharding.report import summarize
+
+    spec = model_spec_from_config(AutoConfig.from_pretrained(model_path))
+    plan = plan_sharding(spec, ShardingOptions(train_tp=tp, rollout_tp=1, world_size=tp, page_size=4096,
+                                               element_size=4, megatron_vision="replicated", vllm_vision="replicated"))
+    per_gpu = summarize(plan)["per_gpu_bytes"]
+    return {"aliased": per_gpu["aliased"], "copied": per_gpu["copied"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--G", type=int, default=4)
+    parser.add_argument("--C", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2, help="whole runs per configuration (medians over all)")
+    parser.add_argument("--quick", action="store_true", help="4 steps, 1 repeat")
+    parser.add_argument("--out", default="benchmarks/results/megatron.json")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.repeats = 4, 1
+
+    from rollplex_trl.data import SyntheticVideoConfig, write_synthetic_video_dataset
+    from rollplex_trl.testing.checkpoints import get_checkpoint
+
+    model_path = get_checkpoint("qwen2_5_vl", args.preset)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        data = write_synthetic_video_dataset(tmp / "data", SyntheticVideoConfig(num_samples=16, seed=0, num_frames=4,
+                                                                                height=56, width=56, fps=2))
+        for name, backend, tp, share in RUNS:
+            steps, copied, aliased = [], [], []
+            for repeat in range(args.repeats):
+                result = _run(model_path, data, tmp / f"r{repeat}", name, backend, tp, share, args)
+                steps += result["step_s"][1:]  # the first step warms up
+                copied += result["sync_bytes_copied"]
+                aliased += result["sync_bytes_aliased"]
+            row = {"run": name, "backend": backend, "t": tp, "share_prefix": share,
+                   "step_s": statistics.median(steps), "step_s_all": steps}
+            if backend == "megatron":
+                row |= {"sync_bytes_copied": statistics.median(copied) if copied else None,
+                        "sync_bytes_aliased": statistics.median(aliased) if aliased else None,
+                        "plan": _plan_bytes(model_path, tp)}
+            rows.append(row)
+    base = rows[0]["step_s"]
+    for row in rows:
+        row["vs_hf_prefix_off"] = row["step_s"] / base
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": {"preset": args.preset, "steps": args.steps, "repeats": args.repeats,
+                                        "G": args.G, "C": args.C, "cpus": os.cpu_count()}, "rows": rows}, indent=2))
+    print(f"{'run':<22} {'step s':>8} {'x hf off':>9} {'copied MiB/sync':>16} {'aliased MiB':>12} "
+          f"{'plan copied':>12} {'plan aliased':>13}")
+    for row in rows:
+        plan = row.get("plan") or {}
+
+        def mib(x):
+            return "-" if x is None else f"{x / 2**20:.2f}"
+
+        print(f"{row['run']:<22} {row['step_s']:>8.3f} {row['vs_hf_prefix_off']:>9.2f} "
+              f"{mib(row.get('sync_bytes_copied')):>16} {mib(row.get('sync_bytes_aliased')):>12} "
+              f"{mib(plan.get('copied')):>12} {mib(plan.get('aliased')):>13}")
+    print(f"written: {out}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2:])
+    else:
+        main()
