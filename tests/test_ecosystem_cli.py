@@ -89,6 +89,24 @@ def test_video_r1_recipe_through_the_launcher(tiny_vl_path, tmp_path):
     assert (out / "rollplex_timeline.png").exists()  # the recipe sets rollplex_timeline: true
 
 
+@pytest.mark.slow
+def test_megatron_recipe_on_two_processes(tiny_vl_path, tmp_path):
+    """`rollplex-trl grpo --config video_r1_megatron_tp2.yaml --accelerate_config multi_cpu.yaml`: the Megatron
+    backend, t = 2, as a user launches it (2 CPU processes); it logs the live weight sync."""
+    pytest.importorskip("megatron.core")
+    annotations = write_synthetic_video_dataset(
+        tmp_path / "synthetic", SyntheticVideoConfig(num_samples=4, num_frames=4, height=56, width=56))
+    out = tmp_path / "megatron"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollplex_trl.cli", "grpo", "--config", str(RECIPES / "video_r1_megatron_tp2.yaml"),
+         "--accelerate_config", str(LAUNCH_CONFIGS / "multi_cpu.yaml"), "--main_process_port", _free_port(),
+         "--model_name_or_path", str(tiny_vl_path), "--video_r1_annotations", str(annotations),
+         "--output_dir", str(out), "--max_steps", "2", "--rollplex_video_max_frames", "4", "--use_cpu", "true"],
+        cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert "rollplex/sync_bytes_copied" in proc.stdout and (out / "model.safetensors").exists()
+
+
 def test_recipes_parse_into_rollplex_config():
     """Every recipe (the Megatron placeholder too: parsed, never run) gives a RollplexGRPOConfig with its
     rollplex_* values, and loads its reward functions."""
