@@ -37,3 +37,7 @@ timeout 300 "$PY" benchmarks/bench_shared_prefix.py --preset "$preset" --quick "
     --out "$OUT/shared_prefix_h200.json" 2>&1 | tail -n 12
 timeout 300 "$PY" benchmarks/bench_overlap.py --preset "$preset" "${overlap_args[@]}" \
     --out "$OUT/overlap_h200.json" 2>&1 | tail -n 12
+# The Megatron backend at t = 1 on the GPU (transformers rollout bound to the trained weights; megatron-core's own
+# CUDA path, no CPU shims). Never run on a GPU yet.
+timeout 300 "$PY" benchmarks/bench_megatron.py --preset "$preset" --quick --max-tp 1 \
+    --out "$OUT/megatron_h200.json" 2>&1 | tail -n 8 || echo "megatron check failed (see above)"

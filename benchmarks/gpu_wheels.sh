@@ -3,7 +3,7 @@
 #
 # That machine runs Python 3.12 with torch 2.11 (CUDA), transformers 5.17, accelerate, peft, pandas, pyarrow, xxhash,
 # matplotlib and pillow already installed, and nothing can be fetched there. Missing: trl, datasets (and its dill and
-# multiprocess) and PyAV. Versions are the project's pins (constraints.txt). The wheels are small enough to travel
+# multiprocess), PyAV and megatron-core. Versions are the project's pins (constraints.txt). The wheels are small enough to travel
 # with the working tree (the device tool's `carry` takes 64 MiB in all); .whl/ is kept out of git.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +14,6 @@ multiprocess=$(.venv/bin/python -c "import multiprocess; print(multiprocess.__ve
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
-  "$(pin trl)" "$(pin datasets)" "$(pin av)" "dill==$dill" "multiprocess==$multiprocess"
+  "$(pin trl)" "$(pin datasets)" "$(pin av)" "$(pin megatron-core)" "dill==$dill" "multiprocess==$multiprocess"
 ls -la .whl
 du -sh .whl

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 
@@ -54,6 +55,13 @@ def init_model_parallel(tensor_parallel_size: int) -> ParallelGroups:
         compat.apply_cpu_shims()
         # The default group is already gloo on CPU, so megatron's extra gloo groups would only duplicate it.
         ps.initialize_model_parallel(tensor_model_parallel_size=t, create_gloo_process_groups=False)
+        if torch.cuda.is_available():
+            # NEVER RUN (no GPU here): on CUDA, attention forks megatron's CUDA RNG tracker, whose model-parallel
+            # state only exists after this call (on CPU the rng_tracker shim stands in). Dropout is 0 in this
+            # backend, so the seed changes no number; the trainer reseeds torch's generators afterwards.
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(1234)
     return ParallelGroups(tp_size=t, tp_rank=ps.get_tensor_model_parallel_rank(),
                           tp_group=ps.get_tensor_model_parallel_group(), dp_size=ps.get_data_parallel_world_size(),
                           dp_rank=ps.get_data_parallel_rank(), dp_group=ps.get_data_parallel_group(), world=world)
