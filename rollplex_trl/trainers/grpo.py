@@ -345,12 +345,17 @@ class RollplexGRPOTrainer(GRPOTrainer):
             if unexpected:
                 raise RuntimeError(f"internal error: TRL passed vision inputs {unexpected} for prepared rows")
             check_rows_match_ids(rows, input_ids[:, : input_ids.size(1) - logits_to_keep])
-        if self.megatron is not None:
-            return self.megatron.logps_and_entropies(
+        if self.megatron is not None:  # every pass (reference, old, actor) on the Megatron model
+            share = self.support.share_scoring and self._shareable(rows, vision_kwargs)
+            logps, entropies, num_prompts = self.megatron.logps_and_entropies(
                 reference=model is self.ref_model, input_ids=input_ids, attention_mask=attention_mask,
                 logits_to_keep=logits_to_keep, batch_size=batch_size, temperature=self.temperature,
                 compute_entropy=compute_entropy, rows=rows, vision_kwargs=vision_kwargs,
-                autocast=self.accelerator.autocast, training=self.model.training)
+                autocast=self.accelerator.autocast, training=self.model.training, share_prefix=share,
+                prompts_per_chunk=self.rollplex["rollplex_prefix_chunk_prompts"])
+            if num_prompts is not None:
+                self._log_prefix_use(input_ids.size(0), num_prompts)
+            return logps, entropies, None
         if self.batch.actor is not None:  # the policy's loss pass: suffix against this window's prefix
             actor, row_to_prompt = self.batch.actor
             P = input_ids.size(1) - logits_to_keep

@@ -253,12 +253,22 @@ class MegatronBackend:
     def logps_and_entropies(self, *, reference: bool, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                             logits_to_keep: int, batch_size: int | None, temperature: float, compute_entropy: bool,
                             rows: Sequence[PreparedPrompt] | None, vision_kwargs: dict[str, Any],
-                            autocast: Callable[[], Any], training: bool):
-        """TRL's `_get_per_token_logps_and_entropies` on the Megatron model, chunked like TRL's."""
+                            autocast: Callable[[], Any], training: bool, share_prefix: bool = False,
+                            prompts_per_chunk: int = 8):
+        """TRL's `_get_per_token_logps_and_entropies` on the Megatron model: with `share_prefix`, each unique
+        prompt's prefix once and the completions against its K/V (backends/megatron/prefix.py; exact, gradients
+        included), else the full rows chunked like TRL's. Returns (log-probs, entropies, unique prompts or None)."""
         model = self.ref if reference else self.policy
         if model is None:
             raise RuntimeError("internal error: reference log-probs requested without a reference model")
         model.train(training and not reference)
+        if share_prefix:
+            from rollplex_trl.backends.megatron.prefix import megatron_shared_prefix_logps
+
+            with autocast():
+                return megatron_shared_prefix_logps(model, input_ids, attention_mask, logits_to_keep, rows,
+                                                    temperature=temperature, compute_entropy=compute_entropy,
+                                                    prompts_per_chunk=prompts_per_chunk)
         batch_size = batch_size or input_ids.size(0)
         prompt_length = input_ids.size(1) - logits_to_keep
         all_logps, all_entropies = [], []

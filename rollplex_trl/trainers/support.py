@@ -56,13 +56,8 @@ def decide_support(*, options: dict[str, Any], model_type: str | None, aux_loss:
         blockers.append("tool/environment turns put non-model tokens (and images) inside completions")
     if sharded:
         blockers.append("DeepSpeed/FSDP shard parameters; the prefix pass would run outside their gather hooks")
-    # The transformers rollout's shared prefill only needs the decoder facts above; the scoring passes also need
-    # the backend to run the prefix/suffix split (not built on Megatron-Core yet: issue 13, item 3)
-    prefill_ok = share_mode != "off" and not blockers
-    if backend == "megatron":
-        blockers.append("the prefix/suffix split of the scoring passes is not built on the Megatron backend yet "
-                        "(the rollout still prefills each prompt once)")
     share = share_mode != "off" and not blockers
+    megatron = backend == "megatron"
     if share_mode != "off" and blockers:
         message = f"rollplex_share_prefix: off: {'; '.join(blockers)}"
         if share_mode == "on":
@@ -74,19 +69,27 @@ def decide_support(*, options: dict[str, Any], model_type: str | None, aux_loss:
         no_window.append("the shared prefix is off")
     if continuous_batching:
         no_window.append("transformers' continuous batching has no decode window to run prefix work in")
+    if megatron and share:
+        no_window.append("the prefix jobs of the decode window are not built for the Megatron backend yet")
     if no_window and overlap_mode != "off":
         message = f"rollplex_overlap: off: {'; '.join(no_window)}"
         if overlap_mode == "on":
             raise ValueError(message + " (set rollplex_overlap='auto' or 'off')")
         notices.append(message)
 
-    shared_prefill = prefill_ok and not use_vllm and not continuous_batching
+    shared_prefill = share and not use_vllm and not continuous_batching
     if shared_prefill and num_beams > 1:
         shared_prefill = False
         notices.append(f"rollplex: shared prefill off for generation (num_beams={num_beams}): beam search expands "
                        "the batch inside generate; prefix work is computed when scored")
+    # Megatron: every pass shares within its call (backends/megatron/prefix.py); the actor's prefix shared across
+    # a gradient-accumulation window (prefix/actor.py) runs the transformers model, so it stays off there.
+    share_actor = share and not megatron
+    if megatron and share:
+        notices.append("rollplex: Megatron backend: each prompt's prefix is shared within a micro-batch in the "
+                       "actor pass (not across the gradient-accumulation window yet)")
     return Support(
-        share_scoring=share, share_actor=share, average_actor_gradients=share and num_processes > 1,
+        share_scoring=share, share_actor=share_actor, average_actor_gradients=share_actor and num_processes > 1,
         prepare_images=share and is_vlm and not has_tools and not custom_rollout,
         # beams: generate runs TRL's path without our window (the scoring passes compute the prefixes themselves)
         overlap_window=not no_window and (use_vllm or shared_prefill),  # needs `share`: no_window says so

@@ -88,7 +88,12 @@ class MegatronPolicy(nn.Module):
         self.tied = hf_model.get_output_embeddings().weight is embed
         self.vocab_size = text.vocab_size
         tconfig = transformer_config(text, t, embed.dtype, mrope_section if self.is_vl else None)
-        self.gpt = GPTModel(tconfig, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=text.vocab_size,
+        from rollplex_trl.backends.megatron.prefix import PrefixCoreAttention
+
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        # DotProductAttention with a K/V hook for the shared prefix (prefix.py); inert outside a prefix/suffix pass
+        spec.submodules.self_attention.submodules.core_attention = PrefixCoreAttention
+        self.gpt = GPTModel(tconfig, spec, vocab_size=text.vocab_size,
                             max_sequence_length=text.max_position_embeddings, parallel_output=True,
                             share_embeddings_and_output_weights=self.tied,
                             position_embedding_type="mrope" if self.is_vl else "rope", rotary_base=theta)

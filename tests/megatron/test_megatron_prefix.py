@@ -1,0 +1,186 @@
+"""The shared prefix on the Megatron backend (backends/megatron/prefix.py) against MegatronPolicy.token_logps.
+
+Rows of two video prompts of different lengths interleaved (G = 3 and 2; G = 4 in the slow variant), left-padded
+prompts, right-padded completions of different lengths, temperature 0.7, entropies: log-probs and entropies 1e-5 max
+abs, every GPTModel gradient (this rank's TP layout) and the vision tower's 1e-4 relative, at t = 1 in this process
+and t = 2 over 2 processes (gloo); bf16 autocast against the full pass under the same autocast (see prefix_worker.py
+for the tolerances and what is measured). Qwen2 (1-D RoPE) with prompts of one chunk narrower than the batch.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import megatron_worker as mw
+import prefix_worker as pw
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+CHECKS = ["unique prompts and vision tower once per prompt", "logps fp32", "entropy fp32",
+          "padded completion positions too", "GPTModel grads (this rank's layout)", "vision tower grads",
+          "sensitivity: the other prompt's K/V change the log-probs", "no_grad, one prompt per chunk"]
+BF16_CHECKS = ["bf16 autocast logps vs full bf16", "bf16 autocast entropy vs full bf16",
+               "bf16 autocast grads vs full bf16"]
+
+
+def _assert_records(records: list[dict], check: str) -> list[dict]:
+    failed = [r for r in records if r["check"] == "no exception"]
+    assert not failed, failed[0]["detail"]
+    mine = [r for r in records if r["check"] == check]
+    assert mine, f"no record of {check!r}"
+    bad = [f"rank {r['rank']}: {r['detail']} (value {r['value']})" for r in mine if not r["ok"]]
+    assert not bad, f"{check}: " + "; ".join(bad)
+    return mine
+
+
+def _spawn(path, out, bf16: bool) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        mp.spawn(pw.main, args=(2, port, str(path), str(out), bf16), nprocs=2)
+    finally:
+        records = [r for p in sorted(out.glob("rank*.json")) for r in json.loads(p.read_text())]
+    return records
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_vl_path, tmp_path_factory):
+    return _spawn(tiny_vl_path, tmp_path_factory.mktemp("megatron-prefix-2ranks"), bf16=False)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_tensor_parallel_2(two_ranks, check):
+    mine = _assert_records(two_ranks, check)
+    assert {r["rank"] for r in mine} == {0, 1}
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_bf16(tiny_vl_path, tmp_path):
+    records = _spawn(tiny_vl_path, tmp_path, bf16=True)
+    for check in CHECKS + BF16_CHECKS:
+        assert {r["rank"] for r in _assert_records(records, check)} == {0, 1}
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    was_initialized = dist.is_initialized()
+    yield
+    parallel_state.destroy_model_parallel()
+    if not was_initialized and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _single(path, **kwargs) -> list[dict]:
+    records: list[dict] = []
+
+    def record(check, ok=True, detail="", value=None):
+        records.append({"case": "t1", "rank": 0, "check": check, "ok": bool(ok), "detail": detail, "value": value})
+
+    pw.equivalence_checks(path, 1, record, **kwargs)
+    return records
+
+
+@pytest.fixture(scope="module")
+def single_records(one_process, tiny_vl_path):
+    return _single(tiny_vl_path)
+
+
+@pytest.mark.parametrize("check", CHECKS + BF16_CHECKS)
+def test_single_process(single_records, check):
+    _assert_records(single_records, check)
+
+
+@pytest.mark.slow
+def test_single_process_group_of_four(one_process, tiny_vl_path):
+    records = _single(tiny_vl_path, order=(1, 0, 1, 1, 0, 1), bf16=False)
+    for check in CHECKS:
+        _assert_records(records, check)
+
+
+def test_full_path_unchanged_and_inert_hook(one_process, tiny_vl_path):
+    """GPTModel's core attention is PrefixCoreAttention, inert outside a pass: the full forward equals one through
+    megatron's own DotProductAttention bit for bit (same weights)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel
+    from rollplex_trl.backends.megatron.prefix import PrefixCoreAttention, _core_attentions
+
+    policy = MegatronPolicy(mw.load_hf(tiny_vl_path), init_model_parallel(1))
+    modules = _core_attentions(policy)
+    assert all(type(m) is PrefixCoreAttention and m.prefix_hook is None for m in modules)
+    batch = mw.video_batch(tiny_vl_path)
+    with torch.no_grad():
+        got, _ = mw.policy_logps(policy, batch)
+        for m in modules:
+            m.__class__ = DotProductAttention
+        try:
+            want, _ = mw.policy_logps(policy, batch)
+        finally:
+            for m in modules:
+                m.__class__ = PrefixCoreAttention
+    assert torch.equal(got, want)
+
+
+def test_precomputed_states(one_process, tiny_vl_path):
+    """States built ahead (the overlap's decode window) at the batch's full width serve the same log-probs."""
+    from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel
+    from rollplex_trl.backends.megatron.prefix import megatron_precompute_prefix, megatron_shared_prefix_logps
+
+    policy = MegatronPolicy(mw.load_hf(tiny_vl_path), init_model_parallel(1))
+    batch = pw.group_batch(tiny_vl_path)
+    P = batch["input_ids"].size(1) - batch["K"]
+    with torch.no_grad():
+        ref, ref_ent = pw.full_logps(policy, batch)
+        pre = megatron_precompute_prefix(policy, batch["input_ids"][:, :P], batch["attention_mask"][:, :P],
+                                         batch["rows"], keep_graph=False, prompts_per_chunk=1)
+        logps, ent, U = megatron_shared_prefix_logps(
+            policy, batch["input_ids"], batch["attention_mask"], batch["K"], batch["rows"],
+            temperature=mw.TEMPERATURE, compute_entropy=True, prompts_per_chunk=1, precomputed=pre)
+    assert U == 2 and pre.state.num_prompts == 2 and pre.state.rope_index
+    assert (logps - ref).abs().max() <= pw.LOGP_TOL and (ent - ref_ent).abs().max() <= pw.LOGP_TOL
+
+
+def test_text_model_qwen2_one_d_rope(one_process, tiny_qwen2_path):
+    """Qwen2 (1-D RoPE), rows grouped by their tokens (no PreparedPrompt): prompts left-padded to different lengths,
+    one prompt per chunk so a chunk drops padding columns (its positions keep the column offset), completions
+    right-padded; log-probs, entropies and gradients equal token_logps'."""
+    from transformers import AutoModelForCausalLM
+
+    from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel
+    from rollplex_trl.backends.megatron.prefix import megatron_shared_prefix_logps
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2_path, dtype=torch.float32, attn_implementation="eager")
+    policy = MegatronPolicy(hf, init_model_parallel(1))
+    gen = torch.Generator().manual_seed(5)
+    P, C = 9, 5
+    prompts = [torch.randint(10, 700, (n,), generator=gen) for n in (9, 5, 7)]
+    order = [1, 0, 2, 1, 0, 2, 2]
+    ids, mask = [], []
+    for r, u in enumerate(order):
+        n = prompts[u].numel()
+        cm = (torch.arange(C) < C - r % 3).long()
+        comp = torch.randint(10, 700, (C,), generator=gen).masked_fill(cm == 0, 0)
+        ids.append(torch.cat([torch.zeros(P - n, dtype=torch.long), prompts[u], comp]))
+        mask.append(torch.cat([torch.zeros(P - n, dtype=torch.long), torch.ones(n, dtype=torch.long), cm]))
+    ids, mask = torch.stack(ids), torch.stack(mask)
+    batch = {"completion_mask": mask[:, -C:]}
+    ref, ref_ent = policy.token_logps(ids, mask, C, temperature=mw.TEMPERATURE, compute_entropy=True)
+    mw.loss_of(ref, ref_ent, batch).backward()
+    want = {n: p.grad.clone() for n, p in policy.gpt.named_parameters()}
+    policy.zero_grad(set_to_none=True)
+    logps, ent, U = megatron_shared_prefix_logps(policy, ids, mask, C, None, temperature=mw.TEMPERATURE,
+                                                 compute_entropy=True, prompts_per_chunk=1)
+    assert U == 3
+    assert (logps - ref).abs().max() <= pw.LOGP_TOL and (ent - ref_ent).abs().max() <= pw.LOGP_TOL
+    mw.loss_of(logps, ent, batch).backward()
+    worst = max(mw.rel_err(p.grad, want[n]) for n, p in policy.gpt.named_parameters())
+    assert worst <= pw.GRAD_RTOL
