@@ -33,8 +33,10 @@ class ActorWindow:
     """
 
     def __init__(self, autocast: Callable[[], AbstractContextManager], pad_token_id: int, *,
-                 average_across_processes: bool = False, on_built: Callable[[], None] | None = None) -> None:
+                 average_across_processes: bool = False, on_built: Callable[[], None] | None = None,
+                 build_prefix: Callable[..., object] = run_prefix) -> None:
         self.autocast = autocast
+        self.build_prefix = build_prefix  # run_prefix (transformers), or the Megatron backend's run_megatron_prefix
         self.pad_token_id = pad_token_id
         self.average_across_processes = average_across_processes
         self.on_built = on_built
@@ -104,8 +106,8 @@ class ActorWindow:
         groups = group_by_prompt(prompt_ids, prompt_mask, rows)
         first = groups.first_row
         with self.autocast():
-            state = run_prefix(model, prompt_ids[first], prompt_mask[first],
-                               [rows[r] for r in first] if rows is not None else None, keep_graph=True)
+            state = self.build_prefix(model, prompt_ids[first], prompt_mask[first],
+                                      [rows[r] for r in first] if rows is not None else None, keep_graph=True)
         leaf_state, outputs = detach_prefix(state)
         return ActorPrefix(window=window_index, key_to_prompt={k: i for i, k in enumerate(groups.keys)},
                            leaf_state=leaf_state, outputs=outputs)

@@ -97,6 +97,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
             self.accelerator.autocast, trl_compat.pad_token_id(self),
             average_across_processes=self.support.average_actor_gradients,
             on_built=lambda: self.memory_ledger.sample() if self.memory_ledger is not None else None,
+            **({"build_prefix": self.megatron.build_actor_prefix} if self.megatron is not None else {}),
         ) if self.support.share_actor else None
         self.overlap = self._build_overlap() if self.support.overlap_window else None
         self.timeline = self.overlap.timeline if self.overlap is not None else Timeline()
@@ -290,7 +291,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
             self._record("rollplex/prefill_rows_per_prompt", rows_count / max(1, prompts))
 
         with shared_prefill(self.accelerator.unwrap_model(self.model), rows, on_prefill=log,
-                            decode_window=self._decode_window(rows)):
+                            decode_window=self._decode_window(rows),
+                            shared_decode=self.rollplex["rollplex_shared_decode"], num_generations=num_generations):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
 
@@ -307,7 +309,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         if (window is not None and window.is_open and self.model.training and torch.is_grad_enabled()
                 and self._shareable(rows, inputs)):
             actor = window.prefix_for(
-                self.accelerator.unwrap_model(model), inputs["prompt_ids"], inputs["prompt_mask"], rows,
+                self._trained_model(model), inputs["prompt_ids"], inputs["prompt_mask"], rows,
                 window_index=self.state.global_step, window_prompts=self._window_prompts,
                 precomputed=lambda: self.overlap.take("actor") if self.overlap is not None else None)
         with self.batch.scoring(rows, actor):
@@ -331,7 +333,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         start = time.perf_counter()
         output = super().training_step(model, inputs, num_items_in_batch)
         if self.actor_window is not None:
-            self.actor_window.step_done(self.accelerator.unwrap_model(self.model))
+            self.actor_window.step_done(self._trained_model(self.model))
         self.timeline.add(Span("micro-step", "step", start, time.perf_counter()))  # includes the rollout
         if self.overlap is not None and trl_compat.micro_step(self) % self.current_gradient_accumulation_steps == 0:
             self.overlap.assert_idle()  # barrier 3: the optimizer step follows
@@ -345,7 +347,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
             if unexpected:
                 raise RuntimeError(f"internal error: TRL passed vision inputs {unexpected} for prepared rows")
             check_rows_match_ids(rows, input_ids[:, : input_ids.size(1) - logits_to_keep])
-        if self.megatron is not None:  # every pass (reference, old, actor) on the Megatron model
+        if self.megatron is not None:  # the other passes (reference, old, actor outside a window) on Megatron
             share = self.support.share_scoring and self._shareable(rows, vision_kwargs)
             logps, entropies, num_prompts = self.megatron.logps_and_entropies(
                 reference=model is self.ref_model, input_ids=input_ids, attention_mask=attention_mask,
@@ -359,9 +361,10 @@ class RollplexGRPOTrainer(GRPOTrainer):
         if self.batch.actor is not None:  # the policy's loss pass: suffix against this window's prefix
             actor, row_to_prompt = self.batch.actor
             P = input_ids.size(1) - logits_to_keep
+            suffix = self.megatron.actor_suffix_logps if self.megatron is not None else suffix_logps
             with self.accelerator.autocast():
-                logps, entropies = suffix_logps(
-                    self.accelerator.unwrap_model(model), actor.leaf_state, row_to_prompt, input_ids[:, P:],
+                logps, entropies = suffix(
+                    self._trained_model(model), actor.leaf_state, row_to_prompt, input_ids[:, P:],
                     attention_mask[:, P:], temperature=self.temperature, compute_entropy=compute_entropy)
             self._log_prefix_use(input_ids.size(0), len(actor.key_to_prompt))
             return logps, entropies, None
@@ -384,6 +387,10 @@ class RollplexGRPOTrainer(GRPOTrainer):
             )
         return prepared_rows_logps(model, rows, input_ids, attention_mask, logits_to_keep, batch_size,
                                    compute_entropy, compute_aux_loss, self.accelerator.autocast)
+
+    def _trained_model(self, model):
+        """The module the actor's passes run: the unwrapped policy, or the Megatron backend's policy."""
+        return self.megatron.policy if self.megatron is not None else self.accelerator.unwrap_model(model)
 
     def _log_prefix_use(self, rows: int, prompts: int) -> None:
         """`rollplex/prefix_rows_per_prompt`: completions served per prefix forward (G when a pass sees whole groups;

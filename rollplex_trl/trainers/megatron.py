@@ -248,6 +248,23 @@ class MegatronBackend:
         dist.broadcast_object_list(box, src=source, group=self.groups.tp_group)
         return box[0], box[1]
 
+    # ---- the actor's prefix per accumulation window (prefix/actor.py drives it) -----------------------------------
+
+    @staticmethod
+    def build_actor_prefix(policy, prompt_ids, prompt_mask, rows, *, keep_graph: bool):
+        from rollplex_trl.backends.megatron.prefix import run_megatron_prefix
+
+        return run_megatron_prefix(policy, prompt_ids, prompt_mask, rows, keep_graph=keep_graph)
+
+    @staticmethod
+    def actor_suffix_logps(policy, state, row_to_prompt, completion_ids, completion_mask, *, temperature: float,
+                           compute_entropy: bool):
+        from rollplex_trl.backends.megatron.prefix import megatron_suffix_logps
+
+        policy.train(True)
+        return megatron_suffix_logps(policy, state, row_to_prompt, completion_ids, completion_mask,
+                                     temperature=temperature, compute_entropy=compute_entropy)
+
     # ---- log-probs ----------------------------------------------------------------------------------------------
 
     def logps_and_entropies(self, *, reference: bool, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -82,14 +82,9 @@ def decide_support(*, options: dict[str, Any], model_type: str | None, aux_loss:
         shared_prefill = False
         notices.append(f"rollplex: shared prefill off for generation (num_beams={num_beams}): beam search expands "
                        "the batch inside generate; prefix work is computed when scored")
-    # Megatron: every pass shares within its call (backends/megatron/prefix.py); the actor's prefix shared across
-    # a gradient-accumulation window (prefix/actor.py) runs the transformers model, so it stays off there.
-    share_actor = share and not megatron
-    if megatron and share:
-        notices.append("rollplex: Megatron backend: each prompt's prefix is shared within a micro-batch in the "
-                       "actor pass (not across the gradient-accumulation window yet)")
+    # The actor window's DDP averaging: the Megatron backend averages its own gradients over the DP group
     return Support(
-        share_scoring=share, share_actor=share_actor, average_actor_gradients=share_actor and num_processes > 1,
+        share_scoring=share, share_actor=share, average_actor_gradients=share and num_processes > 1 and not megatron,
         prepare_images=share and is_vlm and not has_tools and not custom_rollout,
         # beams: generate runs TRL's path without our window (the scoring passes compute the prefixes themselves)
         overlap_window=not no_window and (use_vllm or shared_prefill),  # needs `share`: no_window says so
