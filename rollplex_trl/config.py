@@ -25,6 +25,17 @@ class RollplexGRPOConfig(GRPOConfig):
             it does not; `"on"` raises instead; `"off"` runs TRL's full forward for every completion.
         rollplex_prefix_chunk_prompts (`int`, defaults to `8`): unique prompts per prefix forward in the no-grad
             (reference/old) passes; bounds their peak memory like TRL's per-device batch does.
+        rollplex_shared_decode (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): in the transformers rollout,
+            decode the G completions of a prompt against one copy of the prompt's K/V (cascade attention: prefix
+            and own tokens attended separately, merged exactly) instead of G copies. Same tokens as `"off"` up to
+            float rounding. `"auto"`: on from `num_generations >= 8` (where the benchmark shows it pays), wherever it
+            applies (sdpa/eager attention, no beam search), else off with the reason logged once; `"on"`: error
+            where it cannot apply; `"off"`: the prompt's K/V copied to every row (docs/shared-prefix.md).
+
+    Parameters that control memory:
+        rollplex_memory (`"auto"`, `"on"` or `"off"`, defaults to `"off"`): move memory at every phase boundary (the
+            reference model resident only for its pass, optimizer state streamed in chunks, phase-local buffers
+            freed); exact. `"auto"`: on where the plan says memory is the constraint, decision logged once.
 
     Parameters that choose the training engine:
         rollplex_backend (`"hf"` or `"megatron"`, defaults to `"hf"`): `"megatron"` trains the LLM as Megatron-Core's
@@ -86,6 +97,16 @@ class RollplexGRPOConfig(GRPOConfig):
                   "window). n > 0: the worker takes n and decoding the rest; faster on CPU, but a different thread "
                   "count can round reductions differently, so results may differ from the serial schedule."},
     )
+    rollplex_shared_decode: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata={
+            "help": "Transformers rollout: decode the G completions of a prompt against one copy of its K/V "
+            "(cascade attention, exact merge) instead of G copies. 'auto': on from num_generations >= 8 (where it "
+            "was measured to pay) wherever it applies (sdpa/eager attention, no beam search), else off with the "
+            "reason logged once; 'on': error where it cannot apply; 'off': the prompt's K/V copied to every row.",
+            "choices": ["auto", "on", "off"],
+        },
+    )
     rollplex_overlap_timeout_s: float = field(
         default=600.0,
         metadata={"help": "Longest wait for a prefix job after decoding ends before the step fails with its name."},
@@ -93,6 +114,18 @@ class RollplexGRPOConfig(GRPOConfig):
     rollplex_timeline: bool = field(
         default=False,
         metadata={"help": "Write the phase timeline of the run (Chrome-trace JSON and a Gantt PNG) to output_dir."},
+    )
+    rollplex_memory: Literal["auto", "on", "off"] = field(
+        default="off",
+        metadata={
+            "help": "Act on the memory plan at every phase boundary: the reference model resident only for the "
+            "reference pass, the optimizer state off the compute device and streamed in chunks during the optimizer "
+            "step, phase-local buffers freed (docs/memory.md). Exact (bytes are moved, never recomputed). 'auto': on "
+            "where weights, reference, gradients and optimizer state would take over half of the device (CPU: RAM), "
+            "decision logged once; 'on': always, error where unsupported (Megatron, DeepSpeed/FSDP); 'off': nothing "
+            "moves.",
+            "choices": ["auto", "on", "off"],
+        },
     )
     rollplex_memory_ledger: bool = field(
         default=True,
@@ -204,11 +237,13 @@ _MODES = ("auto", "on", "off")
 _RULES: dict[str, _Rule] = {
     "rollplex_share_prefix": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
     "rollplex_overlap": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
+    "rollplex_shared_decode": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
     "rollplex_prefix_chunk_prompts": _Rule("int", "an integer >= 1", lambda v: v >= 1),
     "rollplex_vllm_dtype": _Rule("choice", f"one of {_VLLM_DTYPES}", choices=_VLLM_DTYPES),
     "rollplex_overlap_threads": _Rule("int", "an integer >= 0 (0: the trainer's own count)", lambda v: v >= 0),
     "rollplex_overlap_timeout_s": _Rule("float", "a finite number of seconds > 0", lambda v: v > 0),
     "rollplex_timeline": _Rule("bool", "true or false"),
+    "rollplex_memory": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
     "rollplex_memory_ledger": _Rule("bool", "true or false"),
     "rollplex_backend": _Rule("choice", "'hf' or 'megatron'", choices=("hf", "megatron")),
     "rollplex_tensor_parallel_size": _Rule("int", "an integer >= 1", lambda v: v >= 1),

@@ -6,6 +6,9 @@ prompts once with `prefix_forward` (K/V of prompt[:, :-1], the same positions HF
 cache to the R rows, and lets HF's `generate` continue from it. HF then runs only the last prompt token before
 sampling, exactly as when it continues generation from past key/values, so the sampling loop, its random draws and
 TRL's post-processing are unchanged.
+
+With `shared_decode` on (prefix/shared_decode.py) the cache is not expanded: the U prompts' K/V stay one copy per
+prompt, each row keeps only its own K/V, and attention merges the two parts exactly (cascade attention).
 """
 
 from __future__ import annotations
@@ -17,23 +20,40 @@ import torch
 from transformers import DynamicCache
 
 from rollplex_trl.data.prompt import PreparedPrompt
-from rollplex_trl.prefix.batch import group_by_prompt, run_prefix
+from rollplex_trl.prefix import shared_decode as sd
+from rollplex_trl.prefix.batch import PromptGroups, group_by_prompt, run_prefix
 from rollplex_trl.prefix.forward import cache_kwarg, unwrap_model
+from rollplex_trl.prefix.state import PrefixState
 
 _VISION_KWARGS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
                   "mm_token_type_ids")
 
 
-def _prefill_once(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  rows: Sequence[PreparedPrompt] | None) -> tuple[DynamicCache, torch.Tensor | None, int]:
-    """Cache of prompt[:, :-1] for all R rows (computed for the unique prompts only) and the rows' M-RoPE deltas."""
+def _prefill_unique(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    rows: Sequence[PreparedPrompt] | None) -> tuple[PrefixState, PromptGroups]:
+    """K/V of prompt[:, :-1] for the unique prompts only, and which row continues which prompt."""
     groups = group_by_prompt(input_ids, attention_mask, rows)
     first = groups.first_row
     unique_rows = [rows[r] for r in first] if rows is not None else None
     state = run_prefix(model, input_ids[first], attention_mask[first], unique_rows, keep_graph=False,
                        generate_positions=True)
+    return state, groups
+
+
+def _rope_deltas(state: PrefixState, groups: PromptGroups, attention_mask: torch.Tensor) -> torch.Tensor | None:
+    """The rows' M-RoPE deltas as HF's decode steps use them (None for 1-D RoPE models)."""
+    if not state.is_mrope:
+        return None
+    # HF's decode steps place token t of row r at `cumsum(mask) - 1 + rope_deltas[r]` on all three axes, with
+    # rope_deltas = (position of the last prompt token) + 1 - (number of real prompt tokens).
+    num_valid = attention_mask[groups.first_row].sum(-1)
+    return (state.last_positions[0] + 1 - num_valid).index_select(0, groups.row_to_prompt).unsqueeze(-1)
+
+
+def _expanded_cache(state: PrefixState, groups: PromptGroups, width: int) -> DynamicCache:
+    """Today's cache: the prompt K/V copied to all R rows, left-padded back to the batch's prompt width."""
     # run_prefix drops all-padding columns; the R rows keep TRL's width, so pad the cache back on the left.
-    missing = input_ids.size(1) - state.prompt_length
+    missing = width - state.prompt_length
     expand = groups.row_to_prompt
     layers = []
     for k, v in zip(state.keys, state.values):
@@ -41,30 +61,58 @@ def _prefill_once(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
             pad = k.new_zeros(k.size(0), k.size(1), missing, k.size(3))
             k, v = torch.cat([pad, k], dim=2), torch.cat([pad, v], dim=2)
         layers.append((k.index_select(0, expand), v.index_select(0, expand)))
-    cache = DynamicCache(ddp_cache_data=layers)
-    deltas = None
-    if state.is_mrope:
-        # HF's decode steps place token t of row r at `cumsum(mask) - 1 + rope_deltas[r]` on all three axes, with
-        # rope_deltas = (position of the last prompt token) + 1 - (number of real prompt tokens).
-        num_valid = attention_mask[first].sum(-1)
-        deltas = (state.last_positions[0] + 1 - num_valid).index_select(0, expand).unsqueeze(-1)
-    return cache, deltas, len(first)
+    return DynamicCache(ddp_cache_data=layers)
+
+
+def _shared_cache(state: PrefixState, groups: PromptGroups, width: int, capacity: int) -> sd.SharedPrefixCache:
+    """The shared-prefix decode cache: the prompt K/V once per prompt (HF sees `width - 1` prompt positions)."""
+    return sd.build_cache(state.keys, state.values, state.prompt_mask[:, :-1], groups.row_to_prompt,
+                          offset=width - 1, capacity=capacity)
+
+
+def _use_shared_decode(mode: str, causal_lm: torch.nn.Module, kwargs: dict, num_generations: int) -> bool:
+    """Whether this generate call decodes with the shared-prefix cache. 'on' raises where it cannot apply; 'auto'
+    is on from `AUTO_MIN_GENERATIONS` completions per prompt (where the benchmark shows it pays) and falls back with
+    the reason logged once where it cannot apply."""
+    if mode == "off" or (mode == "auto" and not sd.auto_applies(num_generations)):
+        return False
+    reason = sd.unsupported_reason(causal_lm, kwargs)
+    if reason is None:
+        return True
+    if mode == "on":
+        raise ValueError(f"rollplex_shared_decode='on' cannot apply: {reason}. Use 'auto' or 'off'.")
+    sd.log_once(reason)
+    return False
 
 
 @contextlib.contextmanager
 def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None,
-                   on_prefill=None, decode_window=None) -> Iterator[None]:
+                   on_prefill=None, decode_window=None, shared_decode: str = "off",
+                   num_generations: int | None = None) -> Iterator[None]:
     """Inside the block, `model.generate(input_ids, attention_mask, ...)` prefills each unique prompt once.
 
     `rows` are the generation batch's prepared prompts (None for text-only prompts, grouped by their tokens).
     `on_prefill(rows, unique_prompts)` is called after each shared prefill (for metrics). `decode_window(input_ids,
     attention_mask)`, a context manager factory, wraps the decoding itself (the overlap runs prefix work inside it).
+    `shared_decode` ("auto", "on", "off"): decode with the prompt's K/V held once per prompt (shared_decode.py)
+    instead of copied to every row; "auto" decides by `num_generations` (G; the batch's rows per prompt if None).
     """
     causal_lm = unwrap_model(model)
     original = causal_lm.generate  # the bound method (instance attribute lookups fall back to the class)
 
     def generate(input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
-        cache, deltas, unique = _prefill_once(causal_lm, input_ids, attention_mask, rows)
+        state, groups = _prefill_unique(causal_lm, input_ids, attention_mask, rows)
+        rows_per_prompt = num_generations or input_ids.size(0) // max(1, len(groups.first_row))
+        shared = _use_shared_decode(shared_decode, causal_lm, kwargs, rows_per_prompt)
+        width = input_ids.size(1)
+        if shared:
+            capacity = sd.expected_suffix_length(causal_lm, kwargs, width)
+            cache = _shared_cache(state, groups, width, capacity)
+        else:
+            cache = _expanded_cache(state, groups, width)
+        deltas = _rope_deltas(state, groups, attention_mask)
+        unique = len(groups.first_row)
+        del state  # its K/V live on in the cache
         for key in _VISION_KWARGS:  # all vision tokens are in the cache now: HF must not encode them again
             kwargs.pop(key, None)
         backbone = causal_lm.base_model
@@ -73,9 +121,13 @@ def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None
         if on_prefill is not None:
             on_prefill(input_ids.size(0), unique)
         window = decode_window(input_ids, attention_mask) if decode_window is not None else contextlib.nullcontext()
-        with window:
-            return original(input_ids=input_ids, attention_mask=attention_mask, **{cache_kwarg(causal_lm): cache},
-                            **kwargs)
+        decoding = sd.decoding_with(causal_lm, cache) if shared else contextlib.nullcontext()
+        with window, decoding:
+            output = original(input_ids=input_ids, attention_mask=attention_mask, **{cache_kwarg(causal_lm): cache},
+                              **kwargs)
+        if shared:
+            cache.check_used()
+        return output
 
     causal_lm.generate = generate
     try:
