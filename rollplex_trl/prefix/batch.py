@@ -73,10 +73,13 @@ def run_prefix(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
 def shared_prefix_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         logits_to_keep: int, rows: Sequence[PreparedPrompt] | None, *, temperature: float,
                         compute_entropy: bool, prompts_per_chunk: int, precomputed: Precomputed | None = None,
+                        prefix_fn: Callable[..., PrefixState] | None = None,
+                        suffix_fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None,
                         ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """Per-token log-probs (R, C) of TRL's batch (and entropies, and the number of unique prompts), each unique
     prompt's prefix computed once. `precomputed` holds prefix states built earlier (in the rollout's decode window)
-    for exactly these prompts; then only the suffixes run here.
+    for exactly these prompts; then only the suffixes run here. `prefix_fn`/`suffix_fn` default to the transformers
+    passes (`run_prefix`, `suffix_logps`); the Megatron backend passes its own with the same signatures.
 
     Runs under whatever grad mode the caller set, with each chunk's prefix and suffixes in one graph (no-grad passes
     and evaluation). `prompts_per_chunk` bounds how many unique prompts (with all their rows) run at once.
@@ -95,12 +98,13 @@ def shared_prefix_logps(model: torch.nn.Module, input_ids: torch.Tensor, attenti
         if precomputed is not None:
             state = precomputed.state.take(torch.arange(start, stop, device=prompt_ids.device))
         else:
-            state = run_prefix(model, prompt_ids[first], prompt_mask[first],
-                               [rows[r] for r in first] if rows is not None else None,
-                               keep_graph=torch.is_grad_enabled())
+            state = (prefix_fn or run_prefix)(model, prompt_ids[first], prompt_mask[first],
+                                              [rows[r] for r in first] if rows is not None else None,
+                                              keep_graph=torch.is_grad_enabled())
         row_idx = torch.nonzero((groups.row_to_prompt >= start) & (groups.row_to_prompt < stop))[:, 0]
-        lp, ent = suffix_logps(model, state, groups.row_to_prompt[row_idx] - start, completion_ids[row_idx],
-                               completion_mask[row_idx], temperature=temperature, compute_entropy=compute_entropy)
+        lp, ent = (suffix_fn or suffix_logps)(model, state, groups.row_to_prompt[row_idx] - start,
+                                              completion_ids[row_idx], completion_mask[row_idx],
+                                              temperature=temperature, compute_entropy=compute_entropy)
         chunk_rows.append(row_idx)
         chunk_logps.append(lp)
         chunk_entropies.append(ent)

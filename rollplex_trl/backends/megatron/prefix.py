@@ -38,7 +38,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from rollplex_trl.backends.megatron.logprobs import vocab_parallel_logps
 from rollplex_trl.data.prompt import PreparedPrompt, token_type_ids, vision_inputs
-from rollplex_trl.prefix.batch import Precomputed, group_by_prompt
+from rollplex_trl.prefix.batch import Precomputed, group_by_prompt, shared_prefix_logps
 from rollplex_trl.prefix.state import PrefixState
 
 if TYPE_CHECKING:
@@ -290,37 +290,9 @@ def megatron_shared_prefix_logps(policy: MegatronPolicy, input_ids: torch.Tensor
     rows). Runs under the caller's grad mode and autocast; with grad on, each chunk's prefix and suffixes form one
     graph. ``prompts_per_chunk`` bounds how many unique prompts (with all their rows) run at once. ``precomputed``:
     prefix states of exactly these prompts (built by :func:`megatron_precompute_prefix`). A collective over TP."""
-    P = input_ids.size(1) - logits_to_keep
-    prompt_ids, prompt_mask = input_ids[:, :P], attention_mask[:, :P]
-    completion_ids, completion_mask = input_ids[:, P:], attention_mask[:, P:]
-    groups = group_by_prompt(prompt_ids, prompt_mask, rows)
-    if precomputed is not None and not precomputed.matches(groups.keys):
-        precomputed = None
-    chunk_rows, chunk_logps, chunk_entropies = [], [], []
-    U = len(groups.keys)
-    step = max(1, prompts_per_chunk)
-    for start in range(0, U, step):
-        stop = min(U, start + step)
-        first = [groups.first_row[u] for u in range(start, stop)]
-        if precomputed is not None:
-            state = precomputed.state.take(torch.arange(start, stop, device=prompt_ids.device))
-        else:
-            state = run_megatron_prefix(policy, prompt_ids[first], prompt_mask[first],
-                                        [rows[r] for r in first] if rows is not None else None,
-                                        keep_graph=torch.is_grad_enabled())
-        row_idx = torch.nonzero((groups.row_to_prompt >= start) & (groups.row_to_prompt < stop))[:, 0]
-        lp, ent = megatron_suffix_logps(policy, state, groups.row_to_prompt[row_idx] - start, completion_ids[row_idx],
-                                        completion_mask[row_idx], temperature=temperature,
-                                        compute_entropy=compute_entropy)
-        chunk_rows.append(row_idx)
-        chunk_logps.append(lp)
-        chunk_entropies.append(ent)
-    order = torch.cat(chunk_rows)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    logps = torch.cat(chunk_logps)[inverse]
-    entropies = torch.cat(chunk_entropies)[inverse] if compute_entropy else None
-    return logps, entropies, U
+    return shared_prefix_logps(policy, input_ids, attention_mask, logits_to_keep, rows, temperature=temperature,
+                               compute_entropy=compute_entropy, prompts_per_chunk=prompts_per_chunk,
+                               precomputed=precomputed, prefix_fn=run_megatron_prefix, suffix_fn=megatron_suffix_logps)
 
 
 def megatron_precompute_prefix(policy: MegatronPolicy, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
