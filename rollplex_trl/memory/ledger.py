@@ -12,10 +12,18 @@ Metrics (``metrics()``), over the window since the last ``reset_window()`` (one 
     rollplex/mem_resident_bytes       registered bytes on the device now
     rollplex/mem_host_bytes           registered bytes parked on the host now
     rollplex/mem_reserved_bytes       CUDA only: bytes the caching allocator holds now
+    rollplex/mem_rss_peak_<phase>_bytes  with ``track_rss=True`` (Linux): the process's peak resident set in that phase
+    rollplex/mem_rss_bytes               with ``track_rss=True``: the process's resident set now
+
+Process RSS per phase: at each phase start the kernel's high-water mark is reset (``/proc/self/clear_refs`` "5"), at
+its end ``VmHWM`` is the phase's peak; where the reset is not allowed, the peak of the RSS sampled at the ledger's
+samples stands in. It sees everything the process holds (registered or not), on CPU the counterpart of the CUDA
+allocator peak.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,6 +32,7 @@ import torch
 
 from rollplex_trl.memory.lifetime import LifetimeClass, Phase, Placement
 from rollplex_trl.memory.registry import MemoryRegistry
+from rollplex_trl.memory.storage import release_free_memory
 
 METRIC_PREFIX = "rollplex/mem_"
 
@@ -47,11 +56,15 @@ class PhaseRecord:
     peak_bytes: int = 0  # registered bytes
     peak_by_class: dict[LifetimeClass, int] = field(default_factory=lambda: dict.fromkeys(LifetimeClass, 0))
     allocator_peak_bytes: int | None = None  # CUDA only
+    rss_peak_bytes: int | None = None  # with track_rss
 
 
 class MemoryLedger:
-    def __init__(self, registry: MemoryRegistry, device: torch.device | str | None = None) -> None:
+    def __init__(self, registry: MemoryRegistry, device: torch.device | str | None = None, *,
+                 track_rss: bool = False) -> None:
         self.registry = registry
+        self.manager = None  # the ResidencyManager that drives this ledger (set by the manager)
+        self.track_rss = track_rss and os.path.exists("/proc/self/status")
         self.device = torch.device(device) if device is not None else None
         self.cuda = self.device is not None and self.device.type == "cuda" and torch.cuda.is_available()
         self.t0 = time.perf_counter()
@@ -77,6 +90,9 @@ class MemoryLedger:
         if rec is not None:
             rec.peak_bytes = max(rec.peak_bytes, s.total)
             self._phase_peak[rec.phase] = max(self._phase_peak.get(rec.phase, 0), s.total)
+            if self.track_rss:
+                rss = process_rss()
+                rec.rss_peak_bytes = max(rec.rss_peak_bytes or 0, rss)
         return s
 
     def begin_phase(self, phase: Phase | str) -> None:
@@ -86,6 +102,11 @@ class MemoryLedger:
         self.records.append(self._current)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+        if self.track_rss:
+            # freed heap pages back to the OS first, so that a phase's peak is what it holds, not what an earlier
+            # phase left in malloc's free lists (the same in every run, memory moves on or off)
+            release_free_memory()
+            reset_rss_peak()
         self.sample()
 
     def end_phase(self) -> None:
@@ -97,6 +118,9 @@ class MemoryLedger:
         if self.cuda:
             rec.allocator_peak_bytes = torch.cuda.max_memory_allocated(self.device)
             self._allocator_peak[rec.phase] = max(self._allocator_peak.get(rec.phase, 0), rec.allocator_peak_bytes)
+        if self.track_rss:
+            rec.rss_peak_bytes = max(rec.rss_peak_bytes or 0, process_rss_peak())
+            self._rss_peak[rec.phase] = max(self._rss_peak.get(rec.phase, 0), rec.rss_peak_bytes)
         self._current = None
 
     # --- reporting ------------------------------------------------------------------------------------------------
@@ -106,6 +130,7 @@ class MemoryLedger:
         self._class_peak: dict[LifetimeClass, int] = dict.fromkeys(LifetimeClass, 0)
         self._phase_peak: dict[Phase, int] = {}
         self._allocator_peak: dict[Phase, int] = {}
+        self._rss_peak: dict[Phase, int] = {}
         if self._current is not None:
             # the phase in progress keeps counting in the new window
             self._phase_peak[self._current.phase] = 0
@@ -123,6 +148,10 @@ class MemoryLedger:
         out[f"{METRIC_PREFIX}host_bytes"] = float(sum(self.registry.bytes_by_class(Placement.HOST).values()))
         if self.cuda:
             out[f"{METRIC_PREFIX}reserved_bytes"] = float(torch.cuda.memory_reserved(self.device))
+        if self.track_rss:
+            for phase, n in self._rss_peak.items():
+                out[f"{METRIC_PREFIX}rss_peak_{phase.value}_bytes"] = float(n)
+            out[f"{METRIC_PREFIX}rss_bytes"] = float(process_rss())
         return out
 
     def trace_events(self, pid: int = 0, tid: str = "memory") -> list[dict]:
@@ -138,3 +167,43 @@ class MemoryLedger:
             events.append({"name": "device memory by lifetime class (registered bytes)", "ph": "C", "pid": pid,
                            "ts": s.time_s * 1e6, "args": {cls.value: n for cls, n in s.by_class.items()}})
         return events
+
+
+# --- process resident set (Linux) ---------------------------------------------------------------------------------
+
+_HWM_RESETTABLE: bool | None = None
+
+
+def _status_bytes(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def process_rss() -> int:
+    """The process's resident set size now (bytes; 0 where /proc is not available)."""
+    return _status_bytes("VmRSS")
+
+
+def process_rss_peak() -> int:
+    """The process's peak resident set since the last ``reset_rss_peak()`` (or its start)."""
+    return _status_bytes("VmHWM") if _HWM_RESETTABLE is not False else process_rss()
+
+
+def reset_rss_peak() -> bool:
+    """Reset the kernel's RSS high-water mark to the current RSS; False where that is not allowed."""
+    global _HWM_RESETTABLE
+    if _HWM_RESETTABLE is False:
+        return False
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        _HWM_RESETTABLE = True
+    except OSError:
+        _HWM_RESETTABLE = False
+    return _HWM_RESETTABLE

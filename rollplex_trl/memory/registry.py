@@ -35,6 +35,7 @@ class MemoryObject:
     can_regenerate: bool = False
     placement: Placement = Placement.DEVICE
     history: list[tuple[Phase, Placement]] = field(default_factory=list)
+    in_use: int = 0  # holders inside ``ResidencyManager.using(name)``: while > 0 no phase boundary moves it
 
     @property
     def window(self) -> tuple[Phase, ...]:

@@ -8,6 +8,7 @@ scoring code marks the rest with ``with manager.phase("rollout"): ...``, since n
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,9 @@ class ResidencyManager:
         self.registry = registry
         self.ledger = ledger
         self.current: Phase | None = None
+        self._lock = threading.RLock()  # a prefix job may hold an object from another thread (`using`)
+        if ledger is not None and ledger.manager is None:
+            ledger.manager = self  # lets a component find the manager that drives a ledger it was handed
 
     def plan(self, phase: Phase | str) -> dict[str, Placement]:
         """Where every registered object should be during ``phase``."""
@@ -38,8 +42,9 @@ class ResidencyManager:
         phase = as_phase(phase)
         if self.ledger is not None and self.current is not None:
             self.ledger.end_phase()
-        self._apply(phase, list(self.registry))
-        self.current = phase
+        with self._lock:
+            self._apply(phase, list(self.registry))
+            self.current = phase
         if self.ledger is not None:
             self.ledger.begin_phase(phase)
 
@@ -54,17 +59,48 @@ class ResidencyManager:
             if previous is not None:
                 self.enter(previous)
 
+    @contextmanager
+    def using(self, name: str) -> Iterator[MemoryObject]:
+        """Hold one object on the device for a use that no phase boundary announces (the reference model for its
+        prefix job inside the rollout's decode window, maybe on a worker thread): loaded now if it is not, kept
+        there across any boundary meanwhile, and placed for the then-current phase once the last holder leaves."""
+        obj = self.registry[name]
+        with self._lock:
+            obj.in_use += 1
+            try:
+                if obj.placement is not Placement.DEVICE:
+                    _move(obj, Placement.DEVICE)
+            except BaseException:
+                obj.in_use -= 1
+                raise
+        if self.ledger is not None:
+            self.ledger.sample()
+        try:
+            yield obj
+        finally:
+            with self._lock:
+                obj.in_use -= 1
+                if obj.in_use == 0:
+                    if self.current is not None:
+                        self._apply(self.current, [obj])
+                    else:
+                        dest = obj.planned_placement(Phase.IDLE)
+                        if obj.placement is not dest:
+                            _move(obj, dest)
+
     def settle(self, name: str | None = None) -> None:
         """Apply the current phase's placement to one object (just registered) or to all of them."""
         if self.current is None:
             return
         objects = [self.registry[name]] if name is not None else list(self.registry)
-        self._apply(self.current, objects)
+        with self._lock:
+            self._apply(self.current, objects)
         if self.ledger is not None:
             self.ledger.sample()
 
     def _apply(self, phase: Phase, objects: list[MemoryObject]) -> None:
-        moves = [(obj, obj.planned_placement(phase)) for obj in objects]
+        # an object in use stays where its holder needs it (on the device) until released
+        moves = [(obj, obj.planned_placement(phase)) for obj in objects if obj.in_use == 0]
         # Releases first, loads last: the transition itself then never holds both the outgoing and the incoming
         # objects on the device, so the phase boundary does not set a new peak.
         moves.sort(key=lambda move: move[1] is Placement.DEVICE)

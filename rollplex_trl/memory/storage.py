@@ -12,8 +12,13 @@ address itself (CUDA graphs, IPC handles shared with a rollout engine) needs the
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
+import os
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -50,6 +55,9 @@ class TensorGroup:
     without it a freed-then-reloaded tensor holds uninitialised memory, which is right for scratch buffers only.
     ``keep_host_copy`` keeps the host buffer after a reload, for objects whose home is the host (permanent state):
     the next offload then reuses the pinned buffer instead of allocating one.
+    ``arena`` (a ``HostArena``; CPU compute) parks the bytes in the arena instead of a host tensor, so an offload
+    lowers the process's resident memory; ``immutable=True`` says the contents never change between offloads
+    (a frozen reference model), so only the first offload writes them and later ones just release the storage.
     """
 
     def __init__(
@@ -59,8 +67,12 @@ class TensorGroup:
         host_device: torch.device | str = "cpu",
         regenerate: Callable[[], None] | None = None,
         keep_host_copy: bool = False,
+        arena: HostArena | None = None,
+        immutable: bool = False,
     ) -> None:
         self._tensors = tensors
+        self.arena = arena
+        self.immutable = immutable
         self.host_device = torch.device(host_device)
         self.regenerate = regenerate
         self.keep_host_copy = keep_host_copy
@@ -93,6 +105,16 @@ class TensorGroup:
             return
         storages = self._storages()
         self._sizes = {}
+        if self.arena is not None:
+            for s in storages:
+                key = (id(self), s._cdata)
+                if not (self.immutable and key in self.arena):
+                    self.arena.write_storage(key, s)
+                self._sizes[s._cdata] = s.nbytes()
+                s.resize_(0)
+            release_free_memory()
+            self.placement = Placement.HOST
+            return
         for s in storages:
             key, n = s._cdata, s.nbytes()
             buf = self._host.get(key)
@@ -116,11 +138,16 @@ class TensorGroup:
             if key not in self._sizes:
                 continue  # a storage this group never moved (a callable group's new tensors): already in place
             s.resize_(self._sizes[key])
-            if from_host and key in self._host:
+            if from_host and self.arena is not None:
+                self.arena.read_storage((id(self), key), s)
+            elif from_host and key in self._host:
                 _byte_view(s).copy_(self._host[key], non_blocking=True)
         _wait_for_copies(storages)
         if not self.keep_host_copy:
             self._host.clear()
+            if from_host and self.arena is not None and not self.immutable:
+                for key in self._sizes:
+                    self.arena.drop((id(self), key))
         self.placement = Placement.DEVICE
         if not from_host and self.regenerate is not None:
             self.regenerate()
@@ -132,6 +159,10 @@ class TensorGroup:
             for s in storages:
                 s.resize_(0)
         self._host.clear()
+        if self.arena is not None:
+            for key in self._sizes:
+                self.arena.drop((id(self), key))
+            release_free_memory()
         self.placement = Placement.FREED
 
 
@@ -140,3 +171,150 @@ def _wait_for_copies(storages: list[torch.UntypedStorage]) -> None:
     # the host bytes read only after they finished.
     if any(s.device.type == "cuda" for s in storages):
         torch.cuda.current_stream().synchronize()
+
+
+# --- the host arena (CPU compute) ---------------------------------------------------------------------------------
+
+_libc: ctypes.CDLL | None = None
+
+
+def release_free_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc ``malloc_trim``), so that released storages leave the RSS.
+
+    Large blocks are ``mmap``-ed and unmapped on free anyway; smaller ones sit in malloc's arenas until trimmed.
+    A no-op where glibc is not the allocator."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False  # type: ignore[assignment]
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+def _default_arena_dir() -> str:
+    configured = os.environ.get("ROLLPLEX_ARENA_DIR")
+    if configured:
+        return configured
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _check_cpu(storage: torch.UntypedStorage) -> None:
+    if storage.device.type != "cpu":
+        raise ValueError(f"the host arena parks CPU storages; got one on {storage.device} (CUDA parks in pinned "
+                         "host buffers instead)")
+
+
+def _buffer(ptr: int, nbytes: int):
+    # A ctypes view of the bytes. Not ``tensor.numpy()``: exporting a storage to numpy marks it non-resizable for
+    # good, and the whole point is to resize it to zero afterwards.
+    return (ctypes.c_char * nbytes).from_address(ptr)
+
+
+class HostArena:
+    """Parked bytes on the host, outside the process's resident memory: a file written with ``pwrite`` and read back
+    with ``preadv``, never mapped into the process. On CPU, where "host" and "device" are the same RAM, this is what
+    makes an offload show: the storage is resized to zero (its pages go back to the OS) and the bytes wait in the
+    file (default ``/dev/shm``, i.e. shared memory; ``ROLLPLEX_ARENA_DIR`` or ``directory=`` to choose, e.g. a disk
+    for file-backed memory the kernel may page out). The file is unlinked at once: it vanishes with the process.
+
+    Slots are keyed by the caller (any hashable); a key written again with the same size reuses its slot.
+    Round trips are byte copies, so they are exact.
+    """
+
+    def __init__(self, directory: str | os.PathLike | None = None) -> None:
+        fd, path = tempfile.mkstemp(prefix="rollplex-arena-", dir=str(directory or _default_arena_dir()))
+        os.unlink(path)
+        self.fd = fd
+        self.path = path
+        self._slots: dict[Any, tuple[int, int]] = {}  # key -> (offset, nbytes)
+        self._free: list[tuple[int, int]] = []
+        self._end = 0
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._slots
+
+    def nbytes(self) -> int:
+        """Bytes held for live keys."""
+        return sum(n for _, n in self._slots.values())
+
+    def _slot(self, key: Any, nbytes: int) -> int:
+        slot = self._slots.get(key)
+        if slot is not None and slot[1] == nbytes:
+            return slot[0]
+        if slot is not None:
+            self.drop(key)
+        for i, (offset, n) in enumerate(self._free):
+            if n == nbytes:
+                del self._free[i]
+                self._slots[key] = (offset, nbytes)
+                return offset
+        offset = self._end
+        # page-aligned slots: ``map`` needs its offset on a page boundary
+        self._end += -(-nbytes // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY
+        self._slots[key] = (offset, nbytes)
+        return offset
+
+    def write(self, key: Any, ptr: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from the address ``ptr`` (a CPU storage's ``data_ptr()``) into the key's slot."""
+        offset = self._slot(key, nbytes)
+        view, done = memoryview(_buffer(ptr, nbytes)).cast("B"), 0
+        while done < nbytes:
+            done += os.pwrite(self.fd, view[done:], offset + done)
+
+    def read(self, key: Any, ptr: int, nbytes: int) -> None:
+        """Copy the key's bytes to the address ``ptr`` (``nbytes`` must be the size written)."""
+        offset, size = self._slots[key]
+        if size != nbytes:
+            raise ValueError(f"arena slot {key!r} holds {size} bytes, {nbytes} requested")
+        view, done = memoryview(_buffer(ptr, nbytes)).cast("B"), 0
+        while done < nbytes:
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise OSError(f"short read from the host arena at slot {key!r}")
+            done += got
+
+    def map(self, key: Any) -> tuple[mmap.mmap, torch.Tensor]:
+        """The key's bytes mapped into the process (shared, pre-faulted), as a uint8 tensor over them: compute on
+        them in place, then drop every tensor over the map and ``unmap`` it; the pages leave the process again
+        (they stay in the arena's file). Saves the two copies of a read + write round trip."""
+        offset, nbytes = self._slots[key]
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(self.fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+        return mm, torch.frombuffer(mm, dtype=torch.uint8)
+
+    @staticmethod
+    def unmap(mm: mmap.mmap) -> bool:
+        """Unmap; False while a tensor over it is still alive (then it is unmapped when collected)."""
+        try:
+            mm.close()
+            return True
+        except BufferError:
+            return False
+
+    def write_storage(self, key: Any, storage: torch.UntypedStorage) -> None:
+        _check_cpu(storage)
+        self.write(key, storage.data_ptr(), storage.nbytes())
+
+    def read_storage(self, key: Any, storage: torch.UntypedStorage) -> None:
+        _check_cpu(storage)
+        self.read(key, storage.data_ptr(), storage.nbytes())
+
+    def drop(self, key: Any) -> None:
+        slot = self._slots.pop(key, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            self._slots.clear()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

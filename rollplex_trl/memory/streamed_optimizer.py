@@ -20,8 +20,16 @@ It is a ``torch.optim.Optimizer``: ``param_groups``, ``state``, ``zero_grad``, `
 (host tensors go into checkpoints) and LR schedulers work as usual, so it can be handed to a transformers
 ``Trainer`` through ``optimizers=(StreamedOptimizer(...), scheduler)``.
 
-Not supported: ``fused=True`` and ``capturable=True`` (they keep ``step`` on the device and fuse across
-parameters), optimizers whose state is not per parameter (LBFGS), and closures that need the state on the device.
+CPU compute (``host_arena=HostArena()``): "host" and "device" are the same RAM, so between steps the state waits in
+the arena (a file outside the process's resident memory, ``storage.py``) and the state entries are placeholders with
+the right shape and a zero-byte storage (FSDP-style); ``step`` reads each chunk's bytes straight into a slot and
+writes them back, and frees the slots at its end, so the resident state is at most two chunks, during the step only.
+``state_dict()`` materialises the state (checkpoints are those of the wrapped optimizer); ``load_state_dict`` parks
+it again. Never read a placeholder: its storage is empty.
+
+Not supported: ``capturable=True``, and ``fused=True`` on an accelerator (they keep ``step`` on the device; a
+fused kernel on CPU is fine), optimizers whose state is not per parameter (LBFGS), and closures that need the
+state on the device.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rollplex_trl.memory.lifetime import LifetimeClass, Phase, Placement
+from rollplex_trl.memory.storage import HostArena, release_free_memory
 
 if TYPE_CHECKING:
     from rollplex_trl.memory.ledger import MemoryLedger
@@ -63,16 +72,21 @@ class StreamedOptimizer(torch.optim.Optimizer):
         storage_device: torch.device | str = "cpu",
         compute_device: torch.device | str | None = None,
         on_chunk: Callable[[ChunkInfo], None] | None = None,
+        host_arena: HostArena | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         inner = optimizer_cls(params, **optimizer_kwargs)
+        first = inner.param_groups[0]["params"][0]
+        device = torch.device(compute_device) if compute_device is not None else first.device
         for group in inner.param_groups:
-            if group.get("fused") or group.get("capturable"):
+            # On CPU a fused kernel keeps ``step`` on the CPU too and updates each parameter elementwise, so it
+            # streams like the for-loop one (and is what transformers' default optim="adamw_torch_fused" builds).
+            if group.get("capturable") or (group.get("fused") and device.type != "cpu"):
                 raise ValueError(f"StreamedOptimizer cannot stream {optimizer_cls.__name__}(fused=True or "
-                                 "capturable=True): those keep per-step scalars on the device; pass fused=False, "
-                                 "capturable=False")
+                                 "capturable=True) on an accelerator: those keep per-step scalars on the device; "
+                                 "pass fused=False, capturable=False")
         # Share the inner optimizer's group dicts and state: LR schedulers edit our param_groups, the inner step
         # reads the same dicts, and state_dict() sees the host-resident state.
         super().__init__(inner.param_groups, inner.defaults)
@@ -81,9 +95,17 @@ class StreamedOptimizer(torch.optim.Optimizer):
         self.inner = inner
         self.chunk_bytes = chunk_bytes
         self.storage_device = torch.device(storage_device)
-        first = self.param_groups[0]["params"][0]
-        self.compute_device = torch.device(compute_device) if compute_device is not None else first.device
+        self.compute_device = device
         self.on_chunk = on_chunk
+        if host_arena is not None and (self.compute_device.type != "cpu" or self.storage_device.type != "cpu"):
+            raise ValueError("host_arena is for CPU compute; on CUDA the state waits in pinned host memory")
+        self.host_arena = host_arena
+        # CPU: compute each chunk in place in the arena's mapped pages instead of copying it into a slot and back
+        self.map_arena = host_arena is not None
+        self._mapped: dict[tuple[int, str], tuple[Any, torch.Tensor]] = {}
+        self._to_unmap: list[Any] = []
+        # (id(param), state key) -> the placeholder standing in the state while the bytes are in the arena
+        self._placeholders: dict[tuple[int, str], torch.Tensor] = {}
         self.last_step_chunks: list[ChunkInfo] = []
         self._slots: list[torch.Tensor] = []
         self._copy_stream: torch.cuda.Stream | None = None
@@ -113,16 +135,62 @@ class StreamedOptimizer(torch.optim.Optimizer):
         return home.copy_(t)
 
     def offload_state(self) -> None:
-        """Move every state tensor to ``storage_device`` (after load_state_dict, or state created elsewhere)."""
-        for s in self.state.values():
+        """Move every state tensor to ``storage_device`` (after load_state_dict, or state created elsewhere); with a
+        host arena, park it there."""
+        for p, s in self.state.items():
             for k, v in self._streamed_items(s):
-                s[k] = self._to_storage(v)
+                s[k] = self._park(p, k, v) if self.host_arena is not None else self._to_storage(v)
+        if self.host_arena is not None:
+            release_free_memory()
+
+    # --- the host arena (CPU) -------------------------------------------------------------------------------------
+
+    def _is_parked(self, p: torch.Tensor, k: str, v: torch.Tensor) -> bool:
+        return self._placeholders.get((id(p), k)) is v
+
+    def _park(self, p: torch.Tensor, k: str, v: torch.Tensor) -> torch.Tensor:
+        """Write ``v``'s bytes to the arena; returns the placeholder to keep in the state instead."""
+        key = (id(p), k)
+        if self._placeholders.get(key) is v:
+            return v
+        v = v.contiguous()
+        nbytes = v.numel() * v.element_size()
+        self.host_arena.write(key, v.data_ptr(), nbytes)
+        holder = self._placeholders.get(key)
+        if holder is None or holder.shape != v.shape or holder.dtype != v.dtype:
+            holder = torch.empty(v.shape, dtype=v.dtype, device=self.storage_device)
+            holder.untyped_storage().resize_(0)
+            self._placeholders[key] = holder
+        return holder
+
+    def _unparked(self, p: torch.Tensor, k: str, v: torch.Tensor) -> torch.Tensor:
+        """A real tensor with a parked entry's bytes (a new allocation; the arena keeps its copy)."""
+        if not self._is_parked(p, k, v):
+            return v
+        out = torch.empty(v.shape, dtype=v.dtype, device=self.storage_device)
+        self.host_arena.read((id(p), k), out.data_ptr(), out.numel() * out.element_size())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.host_arena is None or not self._placeholders:
+            return super().state_dict()
+        # Optimizer.state_dict packs the per-parameter dicts themselves: hand it materialised copies, then put the
+        # placeholders' dicts back (the returned dict keeps the materialised tensors).
+        original = dict(self.state)
+        try:
+            for p, s in original.items():
+                self.state[p] = {k: (self._unparked(p, k, v) if torch.is_tensor(v) else v) for k, v in s.items()}
+            return super().state_dict()
+        finally:
+            for p, s in original.items():
+                self.state[p] = s
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Optimizer.load_state_dict casts state onto each parameter's device and replaces self.state and
         # self.param_groups; re-share them with the inner optimizer (its __setstate__ also fills group defaults).
         super().load_state_dict(state_dict)
         self.inner.__setstate__({"state": self.state, "param_groups": self.param_groups})
+        self._placeholders.clear()  # the loaded state replaces whatever was parked
         self.offload_state()
 
     # --- chunking -------------------------------------------------------------------------------------------------
@@ -176,8 +244,18 @@ class StreamedOptimizer(torch.optim.Optimizer):
         with _stream(self._copy_stream):
             for p, k, v in items:
                 n = v.numel() * v.element_size()
+                if self._is_parked(p, k, v) and self.map_arena:
+                    # computed in place in the arena's pages (mapped for this chunk only): no copies at all
+                    mm, raw = self.host_arena.map((id(p), k))
+                    dev = raw.view(v.dtype).view(v.shape)
+                    self._mapped[(id(p), k)] = (mm, dev)
+                    views.setdefault(p, {})[k] = dev
+                    continue
                 dev = slot[offset : offset + n].view(v.dtype).view(v.shape)
-                dev.copy_(v, non_blocking=True)
+                if self._is_parked(p, k, v):
+                    self.host_arena.read((id(p), k), dev.data_ptr(), n)
+                else:
+                    dev.copy_(v, non_blocking=True)
                 views.setdefault(p, {})[k] = dev
                 offset += _aligned(n)
         ready = _record(self._copy_stream)
@@ -191,6 +269,16 @@ class StreamedOptimizer(torch.optim.Optimizer):
             for _, _, p in chunk:
                 state = self.state[p]
                 for k, dev in self._streamed_items(state):
+                    mapped = self._mapped.pop((id(p), k), None)
+                    if mapped is not None and mapped[1] is dev:  # updated in place in the arena: nothing to write
+                        state[k] = self._placeholders[(id(p), k)]
+                        self._to_unmap.append(mapped[0])
+                        continue
+                    if mapped is not None:
+                        self._to_unmap.append(mapped[0])
+                    if self.host_arena is not None:
+                        state[k] = self._park(p, k, dev)
+                        continue
                     home = homes.get(p, {}).get(k)
                     if home is None:  # state created by this step: give it a host home
                         home = torch.empty(dev.shape, dtype=dev.dtype, device=self.storage_device,
@@ -250,10 +338,27 @@ class StreamedOptimizer(torch.optim.Optimizer):
             if self.on_chunk is not None:
                 self.on_chunk(info)
             self._store(chunk, homes[i], _record(compute))
+            del views
+            self._unmap()
         if self._copy_stream is not None:
             # host state must be complete before anyone reads it (state_dict, the next step)
             self._copy_stream.synchronize()
+        if self.host_arena is not None:
+            # the slots are optimizer-phase memory: gone until the next step
+            self._slots = []
+            self._mapped.clear()
+            loaded = None
+            self._unmap(force=True)
+            release_free_memory()
         return loss
+
+    def _unmap(self, force: bool = False) -> None:
+        self._to_unmap = [mm for mm in self._to_unmap if not HostArena.unmap(mm)]
+        if force and self._to_unmap:  # a tensor over a map lived on in a reference cycle
+            import gc
+
+            gc.collect()
+        self._to_unmap = [mm for mm in self._to_unmap if not HostArena.unmap(mm)]
 
 
 class _StreamedState:

@@ -56,6 +56,7 @@ from rollplex_trl.trainers.megatron import (
     TensorParallelReplicaSampler,
     refuse_megatron_setup,
 )
+from rollplex_trl.trainers.memory import PhaseMemory
 from rollplex_trl.trainers.rewards import reject_non_finite_rewards
 from rollplex_trl.trainers.support import Support, decide_support, log_notices, refuse_before_setup
 
@@ -111,6 +112,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         if self._wrap_datasets():
             self._suppress_video_token()
         self.memory_ledger = self._setup_memory_ledger() if self.rollplex["rollplex_memory_ledger"] else None
+        self.phase_memory = PhaseMemory.build(self)  # rollplex_memory (trainers/memory.py); None when off
         self.reward_funcs = [reject_non_finite_rewards(f, name)
                              for f, name in zip(self.reward_funcs, self.reward_func_names, strict=True)]
         if self.rollplex["rollplex_timeline"] and not any(isinstance(c, TimelineImageCallback)
@@ -163,7 +165,12 @@ class RollplexGRPOTrainer(GRPOTrainer):
         warn = logger.warning if self.accelerator.is_main_process else (lambda message: None)
         return OverlapSchedule(o["rollplex_overlap"], executor, record=record, broadcast=broadcast, warn=warn)
 
-    def _prefix_jobs(self) -> PrefixJobs:
+    def _prefix_jobs(self):
+        jobs = self._policy_prefix_jobs()
+        # the reference prefix job runs in the decode window: the reference weights resident only while it runs
+        return self.phase_memory.prefix_jobs(jobs) if self.phase_memory is not None else jobs
+
+    def _policy_prefix_jobs(self) -> PrefixJobs:
         policy = self.accelerator.unwrap_model(self.model)
         is_peft = hasattr(policy, "peft_config")
         # TRL's own condition for computing old log-probs (GRPOTrainer._generate_and_score_completions)
@@ -339,8 +346,14 @@ class RollplexGRPOTrainer(GRPOTrainer):
             self.overlap.assert_idle()  # barrier 3: the optimizer step follows
         return output
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **vision_kwargs):
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        if self.phase_memory is None:
+            return self._logps_and_entropies(model, *args, **kwargs)
+        with self.phase_memory.reference(model is self.ref_model):  # the reference model resident for its pass
+            return self._logps_and_entropies(model, *args, **kwargs)
+
+    def _logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                             compute_entropy=False, compute_aux_loss=False, **vision_kwargs):
         rows = self.batch.scored_rows
         if rows is not None:
             unexpected = [k for k in _TRL_VISION_KWARGS if vision_kwargs.get(k) is not None]
@@ -457,6 +470,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
 
     def create_optimizer(self, model=None):
         if self.megatron is None:
+            if self.optimizer is None and self.phase_memory is not None:  # optimizer state streamed in chunks
+                self.optimizer = self.phase_memory.create_optimizer(self, model)  # None: not streamable
             return super().create_optimizer(model)
         if self.optimizer is None:
             self.optimizer = self.megatron.create_optimizer(self.args)

@@ -1,0 +1,395 @@
+"""`PhaseMemory`: the memory plan acting in every training step (`rollplex_memory="on"`, or `"auto"` where it pays).
+
+What moves at which phase boundary (phases: rollout -> score -> train -> optimizer -> sync -> idle, marked by
+`MemoryPhaseCallback` and by the `rollout` wrap around generation, see `RollplexGRPOTrainer._setup_memory_ledger`):
+
+    object                         class        on the compute device           elsewhere
+    policy weights                 regenerable  always (read by every phase)    -
+    reference weights (beta > 0)   regenerable  the reference pass (score), and  host arena (CPU) / pinned host
+                                                its prefix job in the rollout's buffers (CUDA), restored
+                                                decode window (overlap)         bit-exactly before use
+    optimizer state (AdamW m, v)   permanent    two chunks at a time, inside    host arena / pinned host memory
+                                                the optimizer step
+    gradients                      phase-local  train -> optimizer              dropped at the sync boundary
+    optimizer slots                phase-local  the optimizer step              freed at its end
+    actor prefix (boundary)        boundary     train                           freed (registered by the ledger)
+
+"Offloaded" on CPU means what it means on a GPU: the storage of every tensor is resized to zero bytes (FSDP's move;
+tensor objects, `nn.Parameter` identity and views stay valid) and the bytes wait in a `HostArena`, a file in
+`/dev/shm` that is never mapped into the process, so the process's resident set really drops (measured by the
+ledger's `rollplex/mem_rss_peak_<phase>_bytes`). Every move is a byte copy: the numbers of a run are those of the
+same run with memory off (tests/memory/test_phase_memory.py).
+
+Hooks in the trainer (four small ones; see `RollplexGRPOTrainer`): the component is built at the end of `__init__`
+(`PhaseMemory.build(trainer)`), `create_optimizer` takes `phase_memory.create_optimizer(trainer, model)` (a
+`StreamedOptimizer` around the optimizer transformers would build; `None` where it cannot stream), the reference
+pass runs inside `phase_memory.reference(model is self.ref_model)`, and `_prefix_jobs` returns
+`phase_memory.prefix_jobs(jobs)` (the reference prefix job holds the reference weights while it runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from rollplex_trl.memory.lifetime import LifetimeClass, Phase, Placement
+from rollplex_trl.memory.registry import MemoryObject
+from rollplex_trl.memory.storage import HostArena, TensorGroup, release_free_memory
+from rollplex_trl.memory.streamed_optimizer import StreamedOptimizer, register_streamed_optimizer
+
+logger = logging.getLogger(__name__)
+
+# Optimizers whose state is per parameter and elementwise: chunked steps are bit-identical to one step.
+_STREAMABLE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad, torch.optim.RMSprop)
+# "auto": on when weights + reference + gradients + optimizer state would take more than this share of the device
+# (CPU: of the host's RAM) with nothing moved.
+AUTO_PRESSURE = 0.5
+CPU_CHUNK_BYTES = 16 << 20
+CUDA_CHUNK_BYTES = 512 << 20
+
+
+def _tensor_bytes(tensors) -> int:
+    """Logical bytes (numel x element size), whether or not the storage is on the compute side now."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _storage_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen.setdefault(s._cdata, s.nbytes())
+    return sum(seen.values())
+
+
+def _device_capacity(device: torch.device) -> int:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class _Gradients:
+    """The policy's gradients as a registry object: they exist from the backward to the optimizer step; leaving that
+    window (the sync boundary) drops them, as `zero_grad(set_to_none=True)` would a moment later."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+
+    def nbytes(self) -> int:
+        return _storage_bytes(p.grad for p in self.params if p.grad is not None)
+
+    def to_device(self) -> None:  # produced by the backward, not loaded
+        pass
+
+    def to_host(self) -> None:
+        raise RuntimeError("gradients are phase-local: dropped, never parked")
+
+    def free(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+def _adopt_resizable(params: list[torch.nn.Parameter]) -> None:
+    """Give every parameter a storage that can be resized (weights loaded from safetensors come in storages that
+    cannot); parameters sharing a storage keep sharing the new one. Done once, before the first offload."""
+    by_storage: dict[int, list[torch.nn.Parameter]] = {}
+    for p in params:
+        by_storage.setdefault(p.untyped_storage()._cdata, []).append(p)
+    with torch.no_grad():
+        for group in by_storage.values():
+            old = group[0].untyped_storage()
+            if old.resizable():
+                continue
+            new = torch.empty(old.nbytes(), dtype=torch.uint8, device=old.device)
+            new.copy_(torch.empty(0, dtype=torch.uint8, device=old.device).set_(old))
+            storage = new.untyped_storage()
+            for p in group:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device).set_(storage, p.storage_offset(), p.size(),
+                                                                             p.stride())
+    release_free_memory()
+
+
+class PhaseMemory:
+    """Acts at the phase boundaries of a `RollplexGRPOTrainer` (module docstring). `active=False` only marks the
+    reference pass as the `score` phase in the ledger (for side-by-side measurements) and moves nothing."""
+
+    def __init__(self, trainer: Any, *, active: bool = True, reason: str = "", track_rss: bool | None = None,
+                 chunk_bytes: int | None = None, arena_dir: str | None = None) -> None:
+        from rollplex_trl.callbacks import MemoryPhaseCallback
+        from rollplex_trl.memory import MemoryLedger, MemoryRegistry, ResidencyManager, wrap_in_phase
+        from rollplex_trl.trl_compat import GENERATE_METHOD
+
+        self.active = active
+        self.reason = reason
+        self.device = torch.device(trainer.accelerator.device)
+        cpu = self.device.type == "cpu"
+        self.chunk_bytes = chunk_bytes or (CPU_CHUNK_BYTES if cpu else CUDA_CHUNK_BYTES)
+        self.arena = HostArena(arena_dir) if (active and cpu) else None
+        ledger = getattr(trainer, "memory_ledger", None)
+        if ledger is None:  # memory on without the ledger option: the same setup, owned here
+            registry = MemoryRegistry()
+            ledger = MemoryLedger(registry, device=self.device)
+            manager = ResidencyManager(registry, ledger)
+            trainer.add_callback(MemoryPhaseCallback(manager, trainer=trainer))
+            wrap_in_phase(trainer, GENERATE_METHOD, manager, "rollout")
+        self.ledger = ledger
+        self.registry = ledger.registry
+        self.manager = ledger.manager
+        if self.manager is None:
+            raise RuntimeError("internal error: the memory ledger has no residency manager")
+        if cpu if track_rss is None else track_rss:
+            from rollplex_trl.memory.ledger import process_rss
+
+            ledger.track_rss = process_rss() > 0  # Linux /proc only
+        self.optimizer: StreamedOptimizer | None = None
+        self.ref_object: MemoryObject | None = None
+        self._depth = 0
+        self._policy_params = [p for p in trainer.accelerator.unwrap_model(trainer.model).parameters()]
+        if not active:
+            return
+        # policy weights: resident in every phase (window [sync, optimizer] wraps around all six)
+        self.registry.register("policy_weights", TensorGroup(self._policy_params), LifetimeClass.REGENERABLE,
+                               Phase.SYNC, Phase.OPTIMIZER)
+        trainable = [p for p in self._policy_params if p.requires_grad]
+        self.registry.register("gradients", _Gradients(trainable), LifetimeClass.PHASE_LOCAL, Phase.TRAIN,
+                               Phase.OPTIMIZER)
+        self._register_reference(trainer)
+
+    # --- construction ---------------------------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, trainer: Any) -> PhaseMemory | None:
+        """The component for `trainer.rollplex["rollplex_memory"]`, or None when off (the decision logged once)."""
+        mode = trainer.rollplex.get("rollplex_memory", "off")
+        if mode == "off":
+            return None
+        refusal = cls.unsupported(trainer)
+        if refusal is not None:
+            if mode == "on":
+                raise ValueError(f"rollplex_memory='on' cannot act here: {refusal}. Use 'auto' or 'off'.")
+            cls._log(trainer, f"rollplex_memory='auto': off, {refusal}")
+            return None
+        if mode == "auto":
+            pays, why = cls.pays(trainer)
+            cls._log(trainer, f"rollplex_memory='auto': {'on' if pays else 'off'}, {why}")
+            if not pays:
+                return None
+            return cls(trainer, reason=why)
+        return cls(trainer, reason="rollplex_memory='on'")
+
+    @staticmethod
+    def _log(trainer: Any, message: str) -> None:
+        if trainer.accelerator.is_main_process:
+            logger.warning("rollplex: %s", message)
+
+    @staticmethod
+    def unsupported(trainer: Any) -> str | None:
+        """Why the phase moves cannot run with this trainer (None: they can)."""
+        if trainer.rollplex.get("rollplex_backend") == "megatron":
+            return "the Megatron backend owns its optimizer and weights (docs/megatron.md)"
+        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+            return "DeepSpeed/FSDP shard and move the weights and optimizer state themselves"
+        return None
+
+    @staticmethod
+    def movable_bytes(trainer: Any) -> dict[str, int]:
+        """Bytes of what the plan moves, and of what stays, from the trainer's real tensors (state estimated as
+        AdamW's two moments of every trainable parameter)."""
+        policy = list(trainer.accelerator.unwrap_model(trainer.model).parameters())
+        ref = trainer.ref_model if trainer.beta != 0.0 else None
+        trainable = [p for p in policy if p.requires_grad]
+        return {
+            "policy_weights": _tensor_bytes(policy),
+            "reference_weights": _tensor_bytes(ref.parameters()) if ref is not None else 0,
+            "gradients": sum(p.numel() * p.element_size() for p in trainable),
+            "optimizer_state": sum(2 * p.numel() * p.element_size() for p in trainable),
+        }
+
+    @classmethod
+    def pays(cls, trainer: Any) -> tuple[bool, str]:
+        """'auto': the moves cost copies every step, so they pay where memory is the constraint: weights, reference,
+        gradients and optimizer state would take more than AUTO_PRESSURE of the device (CPU: of the RAM)."""
+        sizes = cls.movable_bytes(trainer)
+        total = sum(sizes.values())
+        capacity = _device_capacity(torch.device(trainer.accelerator.device))
+        moved = sizes["reference_weights"] + sizes["optimizer_state"]
+        share = total / capacity if capacity else 0.0
+        gib = 2**30
+        why = (f"weights + reference + gradients + optimizer state = {total / gib:.2f} GiB, {share:.0%} of the "
+               f"{'device' if trainer.accelerator.device.type == 'cuda' else 'host RAM'} "
+               f"({capacity / gib:.0f} GiB); moving the reference and the optimizer state would free "
+               f"{moved / gib:.2f} GiB outside their phases")
+        return share > AUTO_PRESSURE and moved > 0, why
+
+    def _register_reference(self, trainer: Any) -> None:
+        ref = trainer.ref_model if trainer.beta != 0.0 else None
+        if ref is None:
+            return  # beta = 0, or PEFT (the reference is the policy with its adapters off)
+        if getattr(trainer.args, "sync_ref_model", False):
+            self._log(trainer, "rollplex_memory: the reference model stays resident (sync_ref_model=True writes "
+                      "into it every ref_model_sync_steps)")
+            return
+        params = list(trainer.accelerator.unwrap_model(ref).parameters())
+        if self.device.type == "cpu":
+            _adopt_resizable(params)
+        group = TensorGroup(params, host_device="cpu", arena=self.arena, immutable=True,
+                            keep_host_copy=self.arena is None)
+        # Resident for the reference pass (score); the overlap schedule's reference prefix job, which runs in the
+        # rollout's decode window, holds it for the job's duration only (`prefix_jobs`).
+        self.ref_object = self.registry.register("reference_weights", group, LifetimeClass.REGENERABLE, Phase.SCORE,
+                                                 Phase.SCORE)
+        self._place(self.ref_object, self.manager.current)
+
+    def _place(self, obj: MemoryObject, phase: Phase | None) -> None:
+        from rollplex_trl.memory.residency import _move
+
+        dest = obj.planned_placement(phase) if phase is not None else Placement.HOST
+        if obj.placement is not dest:
+            _move(obj, dest)
+        if phase is not None:
+            obj.history.append((phase, obj.placement))
+
+    def create_optimizer(self, trainer: Any, model: Any = None) -> StreamedOptimizer | None:
+        """The optimizer transformers would build (class, hyperparameters, weight-decay groups), streamed; None where
+        it cannot stream (the trainer then builds its own and the state stays where it is)."""
+        if not self.active:
+            return None
+        from transformers.trainer_optimizer import is_optimizer_factory
+
+        opt_model = trainer.model if model is None else model
+        if trainer.optimizer_cls_and_kwargs is not None:
+            optimizer_cls, kwargs = trainer.optimizer_cls_and_kwargs
+        else:
+            optimizer_cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, opt_model)
+        kwargs = dict(kwargs)
+        if (is_optimizer_factory(optimizer_cls) or optimizer_cls not in _STREAMABLE
+                or any(k in kwargs for k in ("params", "model", "optimizer_dict"))
+                or (kwargs.get("fused") and self.device.type != "cpu")):
+            self._log(trainer, f"rollplex_memory: optim={trainer.args.optim!r} is not streamed (per-parameter "
+                      "elementwise optimizers only; on an accelerator not fused); its state stays resident")
+            return None
+        decay = set(trainer.get_decay_parameter_names(opt_model))
+        named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": trainer.args.weight_decay},
+                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        self.optimizer = StreamedOptimizer(groups, optimizer_cls, chunk_bytes=self.chunk_bytes,
+                                           host_arena=self.arena, compute_device=self.device, **kwargs)
+        register_streamed_optimizer(self.registry, self.optimizer, self.ledger)
+        return self.optimizer
+
+    # --- the reference pass ---------------------------------------------------------------------------------------
+
+    @contextmanager
+    def reference(self, active: bool = True) -> Iterator[None]:
+        """The reference pass: the `score` phase in the ledger, the reference weights resident inside it."""
+        if not active or self._depth:
+            yield
+            return
+        previous = self.manager.current
+        self._depth += 1
+        self._switch(Phase.SCORE)
+        try:
+            with self._holding_reference():
+                yield
+        finally:
+            self._depth -= 1
+            self._switch(previous)
+
+    def _holding_reference(self):
+        if self.ref_object is None:
+            return contextlib.nullcontext()
+        return self.manager.using(self.ref_object.name)
+
+    def _switch(self, phase: Phase | None) -> None:
+        if self.ledger is not None:
+            self.ledger.end_phase()
+        with self.manager._lock:
+            self.manager.current = phase
+            if self.ref_object is not None and self.ref_object.in_use == 0:
+                self._place(self.ref_object, phase)
+        if self.ledger is not None and phase is not None:
+            self.ledger.begin_phase(phase)
+
+    def prefix_jobs(self, jobs: Any) -> Any:
+        """The overlap schedule's `PrefixJobs`, its reference job holding the reference weights while it runs (in
+        the decode window, on whichever thread runs it); the rest unchanged."""
+        if self.ref_object is None:
+            return jobs
+        return _ReferenceHoldingJobs(jobs, self)
+
+    # --- ledger vs plan -------------------------------------------------------------------------------------------
+
+    def registered_peaks(self) -> dict[str, int]:
+        """Per phase, the highest registered device-resident bytes seen (all records, not one logging window)."""
+        out: dict[str, int] = {}
+        for rec in self.ledger.records:
+            out[rec.phase.value] = max(out.get(rec.phase.value, 0), rec.peak_bytes)
+        return out
+
+    def planned(self, trainer: Any, *, prompt_len: int, completion_len: int) -> dict[str, dict[str, float]]:
+        """The planner's prediction for this model and configuration, per phase, for the objects this component
+        registers (policy and reference weights, gradients, optimizer state): `rollplex` (the plan acting) and
+        `resident` (nothing moved: naive colocation's entries for the same objects)."""
+        from rollplex_trl.memory.model_dims import dims_from_config
+        from rollplex_trl.memory.planner import PHASES, Assumptions, Workload, plan_memory
+
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        dims = dims_from_config(policy.config, getattr(policy.config, "_name_or_path", "model"))
+        element = next(policy.parameters()).element_size()
+        G = trainer.num_generations
+        prompts = max(1, trainer.args.per_device_train_batch_size * trainer.args.steps_per_generation // G)
+        workload = Workload(train_tp=1, rollout_tp=1, num_gpus=1, batch=prompts, num_generations=G,
+                            prompt_len=max(1, prompt_len), completion_len=max(1, completion_len),
+                            device_mem_gib=_device_capacity(self.device) / 2**30 or 80.0)
+        assumptions = Assumptions(
+            param_bytes=element, grad_bytes=element, master_bytes=0, moment_bytes=element,
+            distributed_optimizer=False, reference_model=self.ref_object is not None,
+            runtime_overhead_gib=0.0, incompatible_weight_fraction=0.0,
+            optimizer_chunk_mib=max(1, self.chunk_bytes >> 20), kv_bytes=element)
+        report = plan_memory(dims, workload, assumptions)
+        names = {c.name for key, c in report.components.items()
+                 if key in ("actor_weights", "ref_weights", "grads", "master", "moments")}
+        out = {}
+        for label, plan in (("rollplex", report.plans["rollplex"]), ("resident", report.plans["naive_overlap"])):
+            out[label] = {p.value: float(sum(e.nbytes for e in plan.entries if e.component in names and p in e.phases))
+                          for p in PHASES}
+        out["num_params"] = {"planner": float(dims.num_params()),
+                             "model": float(sum(p.numel() for p in policy.parameters()))}
+        return out
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
+
+
+class _ReferenceHoldingJobs:
+    """`PrefixJobs` whose windows' "ref" job runs inside `PhaseMemory`'s hold on the reference weights."""
+
+    def __init__(self, jobs: Any, memory: PhaseMemory) -> None:
+        self._jobs = jobs
+        self._memory = memory
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._jobs, name)
+
+    def for_window(self, *args: Any, **kwargs: Any) -> list:
+        def held(run):
+            @functools.wraps(run)
+            def wrapped():
+                with self._memory._holding_reference():
+                    return run()
+            return wrapped
+
+        return [(name, held(run) if name == "ref" else run) for name, run in self._jobs.for_window(*args, **kwargs)]
