@@ -66,19 +66,6 @@ def test_data_parallel_2(two_ranks, check):
 
 
 @pytest.fixture(scope="module")
-def one_process():
-    """A 1-process world made by init_model_parallel itself; torn down so later tests see no process group."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    was_initialized = dist.is_initialized()
-    yield
-    parallel_state.destroy_model_parallel()
-    if not was_initialized and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
 def single_records(one_process, tiny_vl_path):
     records: list[dict] = []
 

@@ -67,18 +67,6 @@ def test_tensor_parallel_2_bf16(tiny_vl_path, tmp_path):
         assert {r["rank"] for r in _assert_records(records, check)} == {0, 1}
 
 
-@pytest.fixture(scope="module")
-def one_process():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    was_initialized = dist.is_initialized()
-    yield
-    parallel_state.destroy_model_parallel()
-    if not was_initialized and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _single(path, **kwargs) -> list[dict]:
     records: list[dict] = []
 
