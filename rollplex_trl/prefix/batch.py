@@ -48,13 +48,10 @@ def group_by_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                         row_to_prompt=torch.tensor(row_to_prompt, dtype=torch.long, device=prompt_ids.device))
 
 
-def run_prefix(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-               rows: Sequence[PreparedPrompt] | None, *, keep_graph: bool, generate_positions: bool = False,
-               trim: bool = True) -> PrefixState:
-    """`prefix_forward` on U unique prompts, given as left-padded rows (U, P) and, for VL prompts, their
-    `PreparedPrompt`s. Columns that are padding in every row are dropped first (they cost compute, change nothing).
-    `generate_positions`: 1-D RoPE positions as HF's `generate` numbers them (from each row's first real token)
-    instead of as its plain forward does (arange), so a cache built here continues `generate` exactly."""
+def prefix_inputs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: Sequence[PreparedPrompt] | None, *,
+                  trim: bool = True) -> tuple[int, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The prefix pass's inputs for U unique left-padded prompts: the number of all-padding columns dropped on the
+    left (when `trim`), the trimmed ids and mask, and the rows' vision inputs with their `mm_token_type_ids`."""
     keep = prompt_mask.bool().any(0)
     start = int(keep.nonzero()[0]) if keep.any() and trim else 0
     prompt_ids, prompt_mask = prompt_ids[:, start:], prompt_mask[:, start:]
@@ -64,6 +61,17 @@ def run_prefix(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
         if vision:
             P = prompt_ids.size(1)
             vision["mm_token_type_ids"] = token_type_ids(list(rows), P, P, prompt_ids.device)
+    return start, prompt_ids, prompt_mask, vision
+
+
+def run_prefix(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+               rows: Sequence[PreparedPrompt] | None, *, keep_graph: bool, generate_positions: bool = False,
+               trim: bool = True) -> PrefixState:
+    """`prefix_forward` on U unique prompts, given as left-padded rows (U, P) and, for VL prompts, their
+    `PreparedPrompt`s. Columns that are padding in every row are dropped first (they cost compute, change nothing).
+    `generate_positions`: 1-D RoPE positions as HF's `generate` numbers them (from each row's first real token)
+    instead of as its plain forward does (arange), so a cache built here continues `generate` exactly."""
+    start, prompt_ids, prompt_mask, vision = prefix_inputs(prompt_ids, prompt_mask, rows, trim=trim)
     positions = None
     if generate_positions and not hasattr(unwrap_model(model).base_model, "get_rope_index"):
         positions = (prompt_mask.long().cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)

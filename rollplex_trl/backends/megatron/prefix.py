@@ -37,8 +37,8 @@ import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from rollplex_trl.backends.megatron.logprobs import vocab_parallel_logps
-from rollplex_trl.data.prompt import PreparedPrompt, token_type_ids, vision_inputs
-from rollplex_trl.prefix.batch import Precomputed, group_by_prompt, shared_prefix_logps
+from rollplex_trl.data.prompt import PreparedPrompt
+from rollplex_trl.prefix.batch import Precomputed, group_by_prompt, prefix_inputs, shared_prefix_logps
 from rollplex_trl.prefix.state import PrefixState
 
 if TYPE_CHECKING:
@@ -268,14 +268,7 @@ def run_megatron_prefix(policy: MegatronPolicy, prompt_ids: torch.Tensor, prompt
                         ) -> MegatronPrefixState:
     """:func:`megatron_prefix` on U unique prompts given as left-padded rows and their ``PreparedPrompt``s (as
     ``rollplex_trl.prefix.batch.run_prefix``); all-padding columns are dropped first."""
-    keep = prompt_mask.bool().any(0)
-    start = int(keep.nonzero()[0]) if keep.any() and trim else 0
-    prompt_ids, prompt_mask = prompt_ids[:, start:], prompt_mask[:, start:]
-    vision: dict[str, torch.Tensor] = {}
-    if rows is not None:
-        vision = vision_inputs(list(rows), prompt_ids.device)
-        P = prompt_ids.size(1)
-        vision["mm_token_type_ids"] = token_type_ids(list(rows), P, P, prompt_ids.device)
+    start, prompt_ids, prompt_mask, vision = prefix_inputs(prompt_ids, prompt_mask, rows, trim=trim)
     return megatron_prefix(policy, prompt_ids, prompt_mask, keep_graph=keep_graph, column_offset=start, **vision)
 
 
