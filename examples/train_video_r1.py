@@ -98,6 +98,7 @@ def main(script_args, training_args, model_args) -> None:
     trainer.save_state()
     trainer.accelerator.print(f"Trained {trainer.state.global_step} steps on {len(dataset)} Video-R1 rows. "
                               f"Model: {training_args.output_dir} | logs: {log_file}")
+    trainer.end()  # under `accelerate launch`: close the process group once every rank is done
 
 
 def make_parser():

@@ -171,8 +171,7 @@ def main(script_args, training_args, model_args):
     trainer.save_model(training_args.output_dir)
     trainer.save_state()
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
-    if hasattr(trainer, "end"):  # transformers >= 5.18: finish the trackers
-        trainer.end()
+    trainer.end()  # finish the trackers and close the process group once every rank is done
 
 
 def make_parser(prog: str | None = None) -> argparse.ArgumentParser:

@@ -120,8 +120,6 @@ def load_datasets(script_args: GRPOScriptArguments, dataset_args: Any, training_
 
 def main(script_args: GRPOScriptArguments, training_args: Any, model_args: Any, dataset_args: Any):
     """TRL's `grpo.py` `main` with `RollplexGRPOTrainer`; returns the trainer after training and saving."""
-    import transformers
-    from packaging.version import Version
     from trl import get_peft_config, get_quantization_config
 
     from rollplex_trl import RollplexGRPOTrainer
@@ -151,8 +149,9 @@ def main(script_args: GRPOScriptArguments, training_args: Any, model_args: Any, 
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    if Version(transformers.__version__) >= Version("5.18.0"):
-        trainer.end()  # finish the trackers (and, multi-process, the process group), as TRL's script does
+    # finish the trackers and close the process group once every rank is done, as TRL's script does
+    # (RollplexGRPOTrainer.end: safe for a multi-process exit)
+    trainer.end()
     return trainer
 
 

@@ -53,12 +53,8 @@ def main(checkpoint: str, out: str, share: str) -> None:
               "checksum": float(sum(p.double().sum() for p in model.parameters()))}
     Path(out, f"{share}-rank{rank}.json").write_text(json.dumps(result))
     # a process group left to the interpreter's exit can abort the process ("terminate called without an active
-    # exception", seen once on a loaded machine): close it while both ranks are still here
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    # exception"): the trainer's end() closes it, and lets go of it, while both ranks are still here
+    trainer.end()
 
 
 if __name__ == "__main__":

@@ -241,3 +241,9 @@ def test_two_processes_end_with_identical_weights(tiny_qwen2_path, toy_text, tmp
     assert (steps, world) == ("1", "2")
     start = weights_digest(AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_path)))
     assert digest != start, "the step did not change the weights: nothing was compared"
+    # trainer.end() let go of the process group: gloo's threads ended before the interpreter's teardown, where a
+    # live group once aborted a rank after a complete run (rc 134, "terminate called without an active exception")
+    for r in (0, 1):
+        threads = (out / f"threads-rank{r}.txt").read_text().split()
+        assert threads, "no thread list: /proc/self/task unreadable"
+        assert not [t for t in threads if "gloo" in t], f"rank {r} still runs process-group threads: {threads}"

@@ -430,6 +430,37 @@ class RollplexGRPOTrainer(GRPOTrainer):
                 self.overlap.close()
             self._write_timeline()
 
+    def end(self) -> None:
+        """Finish the trackers and close the process group, as `Trainer.end` does, safely for a multi-process exit.
+
+        Two additions, both about what happens after this call when the process exits:
+        - every rank waits for the others first: only the main process writes in `save_model`/`push_to_hub`, so
+          without it the other ranks tore their group down while rank 0 was still writing;
+        - the references that keep the process group alive after `destroy_process_group` are dropped: the DDP
+          wrapper's reducer (through accelerate's prepared objects and `model_wrapped`) and megatron-core's
+          `parallel_state` hold the group, and with it gloo's native threads, until the interpreter's final
+          teardown, where a process once aborted ("terminate called without an active exception", SIGABRT, rc 134
+          after a complete run). Dropped here, the group's threads are joined while the interpreter is alive
+          (tests/test_ecosystem_cli.py checks that none is left).
+
+        The trainer's unwrapped `model` stays usable (saving, inference); distributed work is over after this call.
+        """
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if distributed:
+            self.accelerator.wait_for_everyone()
+        if self.megatron is not None:  # the rollout model takes the last weights, then the backend lets go
+            self.megatron.release_process_groups()
+            self.megatron = None  # what remains (saving, inference) is the transformers model's
+        if hasattr(super(), "end"):  # transformers >= 5.18
+            super().end()
+        else:
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
+            self.accelerator.state.destroy_process_group()
+        if distributed and not self.accelerator.state.fork_launched:  # notebook_launcher keeps its group itself
+            self.model_wrapped = self.model
+            self.accelerator.free_memory()  # accelerate's references to the DDP wrapper (and optimizer/loaders)
+
     def _write_timeline(self) -> None:
         if not self.rollplex["rollplex_timeline"] or not self.timeline.spans or not self.is_world_process_zero():
             return

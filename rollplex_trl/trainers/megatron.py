@@ -239,6 +239,16 @@ class MegatronBackend:
             self.record("rollplex/weight_sync_s", stats.seconds)
         self.rollout.check_fresh()
 
+    def release_process_groups(self) -> None:
+        """The end of the run (`trainer.end()`): the rollout model takes the last weights (a collective at t > 1,
+        so before the groups go), then this backend drops every reference to megatron-core's groups (its models
+        hold them too). The transformers model keeps the trained weights; the backend cannot train after this."""
+        self.sync_rollout()
+        from rollplex_trl.backends.megatron import release_model_parallel
+
+        release_model_parallel()
+        self.policy = self.ref = self.rollout = self.groups = None
+
     def share_completions(self, completion_ids: list[list[int]], logprobs: Any) -> tuple[list[list[int]], Any]:
         """The TP group's first rank's completions on every rank of the group."""
         if self.groups.tp_size == 1:

@@ -207,4 +207,7 @@ def main(rank: int, world: int, port: int, path: str, out_dir: str, bf16: bool) 
         raise
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(records))
+        from rollplex_trl.backends.megatron import release_model_parallel
+
+        release_model_parallel()  # parallel_state would keep gloo's threads alive into the interpreter's exit
         dist.destroy_process_group()

@@ -65,8 +65,8 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     Path(out, f"{tag}-rank{rank}.json").write_text(json.dumps(result))
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.barrier()
+    if dist.is_initialized() and dist.get_world_size() > 1:  # under torchrun (in-process runs keep pytest's world)
+        trainer.end()  # every rank done, the groups released before the interpreter's exit (RollplexGRPOTrainer.end)
     return result
 
 

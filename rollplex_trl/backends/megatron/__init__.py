@@ -8,7 +8,7 @@ import rollplex_trl.megatron_compat  # noqa: F401  version guard first
 from rollplex_trl.backends.megatron.grads import average_data_parallel_gradients, clip_grad_norm_tensor_parallel
 from rollplex_trl.backends.megatron.logprobs import vocab_parallel_logps
 from rollplex_trl.backends.megatron.model import MegatronPolicy
-from rollplex_trl.backends.megatron.parallel import ParallelGroups, init_model_parallel
+from rollplex_trl.backends.megatron.parallel import ParallelGroups, init_model_parallel, release_model_parallel
 
 __all__ = [
     "MegatronPolicy",
@@ -16,5 +16,6 @@ __all__ = [
     "average_data_parallel_gradients",
     "clip_grad_norm_tensor_parallel",
     "init_model_parallel",
+    "release_model_parallel",
     "vocab_parallel_logps",
 ]

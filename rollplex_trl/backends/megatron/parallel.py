@@ -65,3 +65,16 @@ def init_model_parallel(tensor_parallel_size: int) -> ParallelGroups:
     return ParallelGroups(tp_size=t, tp_rank=ps.get_tensor_model_parallel_rank(),
                           tp_group=ps.get_tensor_model_parallel_group(), dp_size=ps.get_data_parallel_world_size(),
                           dp_rank=ps.get_data_parallel_rank(), dp_group=ps.get_data_parallel_group(), world=world)
+
+
+def release_model_parallel() -> None:
+    """Drop megatron-core's global references to its groups (``parallel_state``).
+
+    ``destroy_process_group`` only unregisters groups; a group object still referenced keeps gloo's native threads
+    running into the interpreter's final teardown, where a process can abort after a complete run. Called at the end
+    of a run (``RollplexGRPOTrainer.end``), after the last collective.
+    """
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
