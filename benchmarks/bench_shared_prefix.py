@@ -1,7 +1,8 @@
 """Benchmark: shared-prefix log-probs vs TRL's serial full forward, side by side in one run.
 
-For each (G, prompt share) it builds two RollplexGRPOTrainer instances on the `small` local Qwen2.5-VL and the
-synthetic video task, identical except for `rollplex_share_prefix` ("off" = TRL's serial path, "auto" = shared),
+For each (G, prompt share) it builds three RollplexGRPOTrainer instances on the `small` local Qwen2.5-VL and the
+synthetic video task, identical except for `rollplex_share_prefix` ("off" = TRL's serial path, "auto" = shared) and
+`rollplex_suffix_attention` ("concat": the prompt's K/V copied to every row; "cascade": what "auto" runs on CPU),
 and measures, on the same generation batch:
 - the reference pass (no grad, reference model),
 - the actor pass (forward + backward of the log-probs),
@@ -77,7 +78,7 @@ def _dataset(tmp: Path, num_prompts: int, frames: int, size: int):
     return load_video_r1(annotations)
 
 
-def _trainer(model_path, dataset, tmp: Path, share: str, G: int, C: int, args):
+def _trainer(model_path, dataset, tmp: Path, share: str, G: int, C: int, args, suffix_attention: str = "auto"):
     from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
     from rollplex_trl.data import accuracy_reward, format_reward
 
@@ -88,6 +89,7 @@ def _trainer(model_path, dataset, tmp: Path, share: str, G: int, C: int, args):
         torch.cuda.is_available(), bf16=False, gradient_checkpointing=True, rollplex_share_prefix=share,
         rollplex_video_max_frames=args.frames, rollplex_video_min_pixels=28 * 28 * 4,
         rollplex_video_max_pixels=args.size * args.size, rollplex_prefix_chunk_prompts=args.prompts,
+        rollplex_suffix_attention=suffix_attention,
     )
     return RollplexGRPOTrainer(model=str(model_path), reward_funcs=[accuracy_reward, format_reward], args=config,
                                train_dataset=dataset)
@@ -159,7 +161,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="G=8 and ~90%% share only")
-    parser.add_argument("--low-share", action="store_true", help="also G=8 at ~10%% prompt share (passes only)")
+    parser.add_argument("--low-share", action="store_true",
+                        help="also ~30%% and ~10%% prompt share at G = 8 and 16 (long completions: passes only)")
+    parser.add_argument("--low-share-generations", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--max-step-completion", type=int, default=320,
                         help="measure the whole step only up to this completion length")
     parser.add_argument("--out", default="benchmarks/results/shared_prefix.json")
@@ -184,16 +188,22 @@ def main() -> None:
         lengths = args.completion_lengths or [max(2, round(P * (1 - s) / s)) for s in (0.95, 0.8, 0.5)]
     grid = [(G, C) for G in args.generations for C in lengths]
     if args.low_share:
-        grid.append((8, round(P * 9)))
+        grid += [(G, round(P * (1 - s) / s)) for G in args.low_share_generations for s in (0.3, 0.1)]
     rows = []
+    # serial (TRL's full forward), shared with the prompt's K/V copied per row (concat), shared with cascade
+    # suffix attention (what rollplex_suffix_attention="auto" runs on CPU)
+    variants = {"serial": ("off", "concat"), "shared_concat": ("auto", "concat"), "shared": ("auto", "cascade")}
     for G, C in grid:
         measured = {}
-        for share in ("off", "auto"):
+        for name, (share, attention) in variants.items():
             torch.manual_seed(0)
-            measured[share] = _measure(_trainer(model_path, dataset, tmp, share, G, C, args), args, C)
-        serial, shared = measured["off"], measured["auto"]
+            measured[name] = _measure(_trainer(model_path, dataset, tmp, share, G, C, args, attention), args, C)
+        serial, shared, concat = measured["serial"], measured["shared"], measured["shared_concat"]
         row = {"G": G, "C": C, "P": serial["P"], "prompt_share": serial["prompt_share"],
-               "serial": serial, "shared": shared,
+               "serial": serial, "shared": shared, "shared_concat": concat,
+               "ratio_ref_plus_actor_concat": (serial["ref_s"] + serial["actor_s"])
+               / (concat["ref_s"] + concat["actor_s"]),
+               "actor_saved_bytes_ratio_concat": concat["actor_saved_bytes"] / serial["actor_saved_bytes"],
                "ratio_ref": serial["ref_s"] / shared["ref_s"],
                "ratio_actor": serial["actor_s"] / shared["actor_s"],
                "ratio_ref_plus_actor": (serial["ref_s"] + serial["actor_s"])
@@ -206,18 +216,24 @@ def main() -> None:
               f"ref {serial['ref_s']:.3f}/{shared['ref_s']:.3f}s ({row['ratio_ref']:.2f}x)  "
               f"actor {serial['actor_s']:.3f}/{shared['actor_s']:.3f}s ({row['ratio_actor']:.2f}x)  "
               f"step {_fmt(serial['step_s'])}/{_fmt(shared['step_s'])}s ({_fmt(row['ratio_step'])}x)  "
-              f"actor saved bytes x{row['actor_saved_bytes_ratio']:.2f}", flush=True)
+              f"actor saved bytes x{row['actor_saved_bytes_ratio']:.2f}  "
+              f"(concat: ref+actor {row['ratio_ref_plus_actor_concat']:.2f}x, "
+              f"saved x{row['actor_saved_bytes_ratio_concat']:.2f})", flush=True)
 
     out = _write(args.out, args, rows)
     print()
-    print("| G | P | C | prompt share | ref+actor serial (s) | ref+actor shared (s) | ratio | step serial (s) | "
-          "step shared (s) | ratio | actor saved bytes shared/serial |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| G | P | C | prompt share | ref serial / concat / cascade (s) | actor serial / concat / cascade (s) | "
+          "ref+actor ratio concat | ratio cascade | step serial (s) | step cascade (s) | ratio | "
+          "actor saved bytes concat/serial | cascade/serial |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        s, h = r["serial"], r["shared"]
-        print(f"| {r['G']} | {r['P']} | {r['C']} | {r['prompt_share']:.0%} | {s['ref_s'] + s['actor_s']:.3f} | "
-              f"{h['ref_s'] + h['actor_s']:.3f} | {r['ratio_ref_plus_actor']:.2f}x | {_fmt(s['step_s'])} | "
-              f"{_fmt(h['step_s'])} | {_fmt(r['ratio_step'])}x | {r['actor_saved_bytes_ratio']:.2f} |")
+        s, h, c = r["serial"], r["shared"], r["shared_concat"]
+        print(f"| {r['G']} | {r['P']} | {r['C']} | {r['prompt_share']:.0%} | "
+              f"{s['ref_s']:.3f} / {c['ref_s']:.3f} / {h['ref_s']:.3f} | "
+              f"{s['actor_s']:.3f} / {c['actor_s']:.3f} / {h['actor_s']:.3f} | "
+              f"{r['ratio_ref_plus_actor_concat']:.2f}x | {r['ratio_ref_plus_actor']:.2f}x | {_fmt(s['step_s'])} | "
+              f"{_fmt(h['step_s'])} | {_fmt(r['ratio_step'])}x | {r['actor_saved_bytes_ratio_concat']:.2f} | "
+              f"{r['actor_saved_bytes_ratio']:.2f} |")
     print(f"\nwrote {out}")
 
 

@@ -25,6 +25,13 @@ class RollplexGRPOConfig(GRPOConfig):
             it does not; `"on"` raises instead; `"off"` runs TRL's full forward for every completion.
         rollplex_prefix_chunk_prompts (`int`, defaults to `8`): unique prompts per prefix forward in the no-grad
             (reference/old) passes; bounds their peak memory like TRL's per-device batch does.
+        rollplex_suffix_attention (`"auto"`, `"cascade"` or `"concat"`, defaults to `"auto"`): how the completions
+            attend to their prompt's keys/values in the shared-prefix scoring passes. `"cascade"`: the prompt part
+            once per prompt for its G rows, the completion part causally per row, merged exactly (no per-row copy
+            of the prompt, and the masked half of a long completion's attention skipped: what makes the shared
+            prefix pay at low prompt share); `"concat"`: the prompt's K/V copied to every row and the model's own
+            attention with a mask. `"auto"`: cascade where it applies (CPU, sdpa/eager attention, no attention
+            dropout), else concat with the reason logged once; `"cascade"` raises where it cannot apply.
         rollplex_shared_decode (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): in the transformers rollout,
             decode the G completions of a prompt against one copy of the prompt's K/V (cascade attention: prefix
             and own tokens attended separately, merged exactly) instead of G copies. Same tokens as `"off"` up to
@@ -72,6 +79,16 @@ class RollplexGRPOConfig(GRPOConfig):
     rollplex_prefix_chunk_prompts: int = field(
         default=8,
         metadata={"help": "Unique prompts per prefix forward in the no-grad (reference/old) log-prob passes."},
+    )
+    rollplex_suffix_attention: Literal["auto", "cascade", "concat"] = field(
+        default="auto",
+        metadata={
+            "help": "How completions attend to their prompt's K/V in the shared-prefix scoring passes. 'cascade': "
+            "the prompt part once per prompt for its G rows and the completion part causally, merged exactly; "
+            "'concat': the prompt's K/V copied to every row. 'auto': cascade where it applies (CPU, sdpa/eager), "
+            "else concat with the reason logged once.",
+            "choices": ["auto", "cascade", "concat"],
+        },
     )
     rollplex_overlap: Literal["auto", "on", "off"] = field(
         default="auto",
@@ -239,6 +256,8 @@ _RULES: dict[str, _Rule] = {
     "rollplex_overlap": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
     "rollplex_shared_decode": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
     "rollplex_prefix_chunk_prompts": _Rule("int", "an integer >= 1", lambda v: v >= 1),
+    "rollplex_suffix_attention": _Rule("choice", "'auto', 'cascade' or 'concat'",
+                                       choices=("auto", "cascade", "concat")),
     "rollplex_vllm_dtype": _Rule("choice", f"one of {_VLLM_DTYPES}", choices=_VLLM_DTYPES),
     "rollplex_overlap_threads": _Rule("int", "an integer >= 0 (0: the trainer's own count)", lambda v: v >= 0),
     "rollplex_overlap_timeout_s": _Rule("float", "a finite number of seconds > 0", lambda v: v > 0),

@@ -237,3 +237,33 @@ def keep_model_unwrapped(accelerator: Any, model: torch.nn.Module) -> None:
 
 
 CHECKPOINT_WITH_CACHE_FLAG = "_can_checkpoint_with_cache"  # transformers keeps a cache under checkpointing only then
+
+
+@contextlib.contextmanager
+def checkpointed_forwards_within(layers: Any, context: Callable[[], Any]) -> Iterator[None]:
+    """Within the block, run each checkpointed decoder layer's forward inside a fresh `context()`: the first run
+    and also the recompute that the backward replays later, outside the block (transformers' checkpointing layers
+    call the instance attribute `_gradient_checkpointing_func(partial(forward, ...), *args)`, and non-reentrant
+    checkpointing recomputes that same function). Layers without checkpointing run inside the caller's block."""
+
+    def wrap(original: Callable) -> Callable:
+        def run(forward: Callable, *args: Any, **kwargs: Any) -> Any:
+            def inside(*inner_args: Any, **inner_kwargs: Any) -> Any:
+                with context():
+                    return forward(*inner_args, **inner_kwargs)
+
+            return original(inside, *args, **kwargs)
+
+        return run
+
+    touched = []
+    try:
+        for layer in layers:
+            original = vars(layer).get("_gradient_checkpointing_func")
+            if original is not None:
+                layer._gradient_checkpointing_func = wrap(original)
+                touched.append((layer, original))
+        yield
+    finally:
+        for layer, original in touched:
+            layer._gradient_checkpointing_func = original

@@ -220,3 +220,107 @@ def reference_attention(
     scores = (torch.matmul(q, keys.transpose(-1, -2)).to(_stat_dtype(q.dtype)) * scale).masked_fill(~keep, NEG_INF)
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return torch.matmul(weights.to(values.dtype), values).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The scoring passes: differentiable cascade attention on PyTorch's fused CPU kernels
+# ----------------------------------------------------------------------------------------------------------------
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _to_prompt_major(x: torch.Tensor, groups: RowGroups, hkv: int) -> torch.Tensor:
+    """(R, H, Q, .) rows -> (U, Hkv, Gmax*rep*Q, .): a prompt's rows (and a KV head's query heads) as one matrix."""
+    R, H, Q, last = x.shape
+    U, g_max = groups.rows.shape
+    grouped = x if groups.contiguous else x.index_select(0, groups.rows.reshape(-1))
+    return grouped.reshape(U, g_max, hkv, H // hkv, Q, last).transpose(1, 2).reshape(U, hkv, g_max * (H // hkv) * Q,
+                                                                                   last)
+
+
+def _to_row_major(x: torch.Tensor, groups: RowGroups, heads: int, q_len: int) -> torch.Tensor:
+    """The inverse of `_to_prompt_major`: (U, Hkv, Gmax*rep*Q, .) -> (R, H, Q, .) (padded slots dropped)."""
+    U, hkv, _, last = x.shape
+    g_max = groups.rows.size(1)
+    rows = x.reshape(U, hkv, g_max, heads // hkv, q_len, last).transpose(1, 2).reshape(U * g_max, heads, q_len, last)
+    return rows if groups.contiguous else rows.index_select(0, groups.inverse)
+
+
+class _CausalCascade(torch.autograd.Function):
+    """Forward: the two fused partial attentions (prefix: per prompt, padding bias; suffix: per row, causal) and
+    the log-sum-exp merge. Backward: each part's fused backward given the MERGED output and log-sum-exp, which is
+    the gradient of softmax attention over the union of keys restricted to that part (dS = P * (dP - rowsum(dO * O))
+    with P and O those of the whole softmax), so the two parts' query gradients add up and the prompt's K/V get the
+    sum over its G rows from the one batched product."""
+
+    @staticmethod
+    def forward(ctx, q, prefix_k, prefix_v, prefix_bias, suffix_k, suffix_v, scale, groups):
+        R, H, Q, D = q.shape
+        hkv = prefix_k.size(1)
+        rep = H // hkv
+        q_p = _to_prompt_major(q, groups, hkv)
+        out_p, lse_p = _flash(q_p, prefix_k, prefix_v, 0.0, False, attn_mask=prefix_bias, scale=scale)
+        out_p = _to_row_major(out_p, groups, H, Q)
+        lse_p = _to_row_major(lse_p.unsqueeze(-1), groups, H, Q)
+        k_s = suffix_k.repeat_interleave(rep, dim=1) if rep > 1 else suffix_k
+        v_s = suffix_v.repeat_interleave(rep, dim=1) if rep > 1 else suffix_v
+        out_s, lse_s = _flash(q, k_s, v_s, 0.0, True, scale=scale)
+        lse_s = lse_s.unsqueeze(-1)
+        lse = torch.logaddexp(lse_p, lse_s)
+        stat = _stat_dtype(q.dtype)
+        out = (torch.exp(lse_p - lse) * out_p.to(stat) + torch.exp(lse_s - lse) * out_s.to(stat)).to(q.dtype)
+        ctx.save_for_backward(q, prefix_k, prefix_v, prefix_bias, suffix_k, suffix_v, out, lse)
+        ctx.scale, ctx.groups = scale, groups
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, prefix_k, prefix_v, prefix_bias, suffix_k, suffix_v, out, lse = ctx.saved_tensors
+        groups, scale = ctx.groups, ctx.scale
+        R, H, Q, D = q.shape
+        hkv = prefix_k.size(1)
+        rep = H // hkv
+        grad_out = grad_out.contiguous().to(q.dtype)
+        # prefix part: padded slots (unequal groups) repeat a real row; a zero output gradient keeps them out
+        g_p = _to_prompt_major(grad_out, groups, hkv)
+        if groups.valid is not None:
+            U, g_max = groups.valid.shape
+            slot = groups.valid.to(g_p.dtype).view(U, 1, g_max, 1, 1, 1)
+            g_p = (g_p.view(U, hkv, g_max, rep, Q, D) * slot).reshape(g_p.shape)
+        dq_p, dk_p, dv_p = _flash_backward(g_p, _to_prompt_major(q, groups, hkv), prefix_k, prefix_v,
+                                           _to_prompt_major(out, groups, hkv),
+                                           _to_prompt_major(lse, groups, hkv).squeeze(-1).contiguous(), 0.0, False,
+                                           attn_mask=prefix_bias, scale=scale)
+        k_s = suffix_k.repeat_interleave(rep, dim=1) if rep > 1 else suffix_k
+        v_s = suffix_v.repeat_interleave(rep, dim=1) if rep > 1 else suffix_v
+        dq_s, dk_s, dv_s = _flash_backward(grad_out, q, k_s, v_s, out, lse.squeeze(-1).contiguous(), 0.0, True,
+                                           scale=scale)
+        if rep > 1:
+            dk_s = dk_s.view(R, hkv, rep, *dk_s.shape[2:]).sum(2)
+            dv_s = dv_s.view(R, hkv, rep, *dv_s.shape[2:]).sum(2)
+        dq = _to_row_major(dq_p, groups, H, Q) + dq_s
+        return dq, dk_p, dv_p, None, dk_s, dv_s, None, None
+
+
+def causal_cascade_attention(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
+                             prefix_mask: torch.Tensor | None, groups: RowGroups, suffix_k: torch.Tensor,
+                             suffix_v: torch.Tensor, scale: float) -> torch.Tensor:
+    """`cascade_attention` for the scoring passes, differentiable, on PyTorch's fused CPU flash kernels.
+
+    The suffix part is causal over the row's own tokens (queries = keys = the suffix: the last prompt token and
+    the completion), which is all the mask a right-padded completion needs: a real token's keys are never after it,
+    and a padding position's output is never scored. Unlike the concatenated path, the prompt's K/V are not copied
+    to the G rows, and the causal half of the suffix is skipped block by block instead of being masked.
+
+    Shapes as `cascade_attention` (suffix_k/v: (R, Hkv, Q, D)); CPU tensors of one floating dtype.
+    """
+    if q.size(2) != suffix_k.size(2):
+        raise ValueError(f"the causal suffix needs one key per query, got {q.size(2)} queries, {suffix_k.size(2)} keys")
+    bias = None
+    if prefix_mask is not None and not bool(prefix_mask.bool().all()):
+        U, P = prefix_mask.shape
+        bias = torch.zeros(U, 1, 1, P, dtype=q.dtype, device=q.device).masked_fill(
+            ~prefix_mask.bool().view(U, 1, 1, P), NEG_INF)
+    return _CausalCascade.apply(q.contiguous(), prefix_k.contiguous(), prefix_v.contiguous(), bias,
+                                suffix_k.contiguous(), suffix_v.contiguous(), scale, groups)

@@ -19,6 +19,7 @@ The transformers facts and the experiment this follows: docs/shared-prefix.md, "
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator
 
@@ -26,9 +27,12 @@ import torch
 import torch.nn as nn
 from transformers.cache_utils import Cache, DynamicLayer
 
+from rollplex_trl.prefix.cascade import group_rows
 from rollplex_trl.prefix.state import PrefixState
+from rollplex_trl.prefix.suffix_attention import CascadeSuffixLayer, cascade_attention_switched
 from rollplex_trl.trl_compat import (
     CHECKPOINT_WITH_CACHE_FLAG,
+    checkpointed_forwards_within,
     checkpointing_is_non_reentrant,
     fused_head_settings,
 )
@@ -74,7 +78,7 @@ def _check_cache_used(cache: Cache, what: str) -> None:
     """Fail loudly if the decoder ignored our cache: a transformers version that drops or renames it would otherwise
     give a prefix with no keys/values, or a suffix that silently attends to itself only (wrong log-probs)."""
     unused = [i for i, layer in enumerate(cache.layers)
-              if not (layer.served if isinstance(layer, _ReadOnlyLayer) else layer.is_initialized)]
+              if not getattr(layer, "served", layer.is_initialized)]  # read-only layers record being served
     if unused:
         import transformers
 
@@ -339,6 +343,7 @@ def suffix_logps(
     *,
     temperature: float = 1.0,
     compute_entropy: bool = False,
+    attention: str = "concat",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (R, C) of right-padded completions, row r continuing prompt `row_to_prompt[r]` of `state`.
 
@@ -346,6 +351,10 @@ def suffix_logps(
     head pass, 0 at padded completion positions, entropies (R, C) if asked for (else None). Differentiable into the
     model and, through the state's K/V, into the prompt forward. Uses TRL's fused head if the model was patched with
     `add_fused_lm_head` (whose temperature must equal `temperature`), else a plain log-softmax over the logits.
+
+    `attention`: "concat" serves every row cat(its prompt's K/V, its own) to the model's attention; "cascade"
+    attends to the prompt's K/V once per prompt and to the row's own causally, merged exactly
+    (prefix/suffix_attention.py; CPU, sdpa/eager: `suffix_attention_mode` decides where it applies).
     """
     causal_lm = unwrap_model(model)
     backbone = causal_lm.base_model
@@ -365,12 +374,24 @@ def suffix_logps(
     # text position after it (tested with 16 frames), and HF's text positions do not jump over them.
     offsets = torch.arange(1 + C, device=input_ids.device)
     position_ids = state.last_positions.index_select(-1, rows).unsqueeze(-1) + offsets  # (3, R, 1+C) or (R, 1+C)
-    cache = Cache(layers=[_ReadOnlyLayer(k, v, rows) for k, v in zip(state.keys, state.values)])
+    switched = contextlib.nullcontext
+    if attention == "cascade":
+        groups = group_rows(rows, state.num_prompts)
+        prefix_mask = state.prompt_mask[:, :-1]  # the cached positions; the last prompt token leads the suffix
+        cache = Cache(layers=[CascadeSuffixLayer(k, v, prefix_mask, groups) for k, v in zip(state.keys, state.values)])
+        switched = functools.partial(cascade_attention_switched, causal_lm)
+    elif attention == "concat":
+        cache = Cache(layers=[_ReadOnlyLayer(k, v, rows) for k, v in zip(state.keys, state.values)])
+    else:
+        raise ValueError(f"attention must be 'concat' or 'cascade', got {attention!r}")
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
               cache_kwarg(backbone): cache, "use_cache": False}
 
     try:
-        with _cache_safe_checkpointing(layers):
+        # the checkpoint's recompute (in the backward, after this block) runs inside the same switch
+        recompute = (checkpointed_forwards_within(layers, switched) if attention == "cascade"
+                     else contextlib.nullcontext())
+        with _cache_safe_checkpointing(layers), switched(), recompute:
             logps, entropy = _suffix_forward(causal_lm, inputs, labels, temperature, compute_entropy)
     except RuntimeError:
         # an ignored cache often shows first as a mask/key shape mismatch: name the cause if it is that

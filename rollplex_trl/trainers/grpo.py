@@ -35,10 +35,11 @@ from rollplex_trl.config import rollplex_options
 from rollplex_trl.data.prepared import PREPARED_KEY, VIDEO_COLUMNS
 from rollplex_trl.data.prompt import PreparedPrompt, check_rows_match_ids, generation_fields
 from rollplex_trl.overlap import OverlapExecutor, OverlapSchedule, PrefixJobs, Span, Timeline
-from rollplex_trl.prefix import suffix_logps
+from rollplex_trl.prefix import suffix_logps, unwrap_model
 from rollplex_trl.prefix.actor import ActorWindow
 from rollplex_trl.prefix.batch import prepared_rows_logps, shared_prefix_logps
 from rollplex_trl.prefix.generation import shared_prefill
+from rollplex_trl.prefix.suffix_attention import suffix_attention_mode
 from rollplex_trl.rollout.trl_vllm import RollplexVLLMGeneration, VLLMRollout
 from rollplex_trl.trainers.checkpoint import (
     ResumableRepeatSampler,
@@ -93,6 +94,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         self.megatron = self._build_megatron() if self.rollplex["rollplex_backend"] == "megatron" else None
         self.support = self._decide_support()
         log_notices(self.support, self.accelerator.is_main_process)
+        self.suffix_attention = self._decide_suffix_attention()
         self.batch = BatchContext()
         self.actor_window = ActorWindow(
             self.accelerator.autocast, trl_compat.pad_token_id(self),
@@ -134,6 +136,18 @@ class RollplexGRPOTrainer(GRPOTrainer):
             num_processes=self.accelerator.num_processes, is_vlm=trl_compat.is_vlm(self), use_vllm=self.use_vllm,
             continuous_batching=bool(self.use_transformers_continuous_batching),
             num_beams=getattr(generation_config, "num_beams", 1) or 1, backend=self.rollplex["rollplex_backend"])
+
+    def _decide_suffix_attention(self) -> str:
+        """"cascade" or "concat" for the shared-prefix suffix passes (prefix/suffix_attention.py), decided once from
+        the configuration, the model and the device (the same on every rank); the Megatron backend has its own."""
+        if self.megatron is not None or not (self.support.share_scoring or self.support.share_actor):
+            return "concat"
+        mode, reason = suffix_attention_mode(self.rollplex["rollplex_suffix_attention"],
+                                             unwrap_model(self.accelerator.unwrap_model(self.model)),
+                                             self.accelerator.device)
+        if reason is not None and self.accelerator.is_main_process:
+            logger.warning("rollplex_suffix_attention=auto: concat (the prompt's K/V copied per row): %s", reason)
+        return mode
 
     def _build_megatron(self) -> MegatronBackend:
         ref = self.accelerator.unwrap_model(self.ref_model) if self.ref_model is not None else None
@@ -374,7 +388,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
         if self.batch.actor is not None:  # the policy's loss pass: suffix against this window's prefix
             actor, row_to_prompt = self.batch.actor
             P = input_ids.size(1) - logits_to_keep
-            suffix = self.megatron.actor_suffix_logps if self.megatron is not None else suffix_logps
+            suffix = (self.megatron.actor_suffix_logps if self.megatron is not None
+                      else functools.partial(suffix_logps, attention=self.suffix_attention))
             with self.accelerator.autocast():
                 logps, entropies = suffix(
                     self._trained_model(model), actor.leaf_state, row_to_prompt, input_ids[:, P:],
@@ -390,7 +405,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
                 logps, entropies, num_prompts = shared_prefix_logps(
                     self.accelerator.unwrap_model(model), input_ids, attention_mask, logits_to_keep, rows,
                     temperature=self.temperature, compute_entropy=compute_entropy,
-                    prompts_per_chunk=self.rollplex["rollplex_prefix_chunk_prompts"], precomputed=precomputed)
+                    prompts_per_chunk=self.rollplex["rollplex_prefix_chunk_prompts"], precomputed=precomputed,
+                    suffix_fn=functools.partial(suffix_logps, attention=self.suffix_attention))
             self._log_prefix_use(input_ids.size(0), num_prompts)
             return logps, entropies, None
         if rows is None:
