@@ -161,7 +161,8 @@ def build_cache(keys: list[torch.Tensor], values: list[torch.Tensor], prefix_mas
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _base_attention(base: str, module: nn.Module):
+def base_attention(base: str, module: nn.Module):
+    """The model's own attention function `base` ("sdpa" or "eager") for `module`."""
     if base == "sdpa":
         return sdpa_attention_forward
     # eager attention is defined per model file (same math everywhere; the model's own keeps its rounding)
@@ -198,7 +199,7 @@ def _make_attention(base: str):
                   **kwargs) -> tuple[torch.Tensor, None]:
         layer = _served_layer(module, key)
         if layer is None:
-            return _base_attention(base, module)(module, query, key, value, attention_mask, dropout=dropout,
+            return base_attention(base, module)(module, query, key, value, attention_mask, dropout=dropout,
                                                  scaling=scaling, **kwargs)
         if dropout:
             raise RuntimeError("shared-prefix decoding with attention dropout (falls back before this)")

@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from rollplex_trl.prefix.cascade import RowGroups, causal_cascade_attention
+from rollplex_trl.prefix.shared_decode import base_attention
 
 logger = logging.getLogger(__name__)
 
@@ -65,19 +64,13 @@ class CascadeSuffixLayer(DynamicLayer):
         return key_states, value_states
 
 
-def _base_attention(base: str, module: nn.Module):
-    if base == "sdpa":
-        return sdpa_attention_forward
-    return sys.modules[type(module).__module__].eager_attention_forward  # per model file, as the model's own
-
-
 def _make_attention(base: str):
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                   **kwargs) -> tuple[torch.Tensor, None]:
         layer = getattr(key, _TAG, None)
         if layer is None:
-            return _base_attention(base, module)(module, query, key, value, attention_mask, dropout=dropout,
+            return base_attention(base, module)(module, query, key, value, attention_mask, dropout=dropout,
                                                  scaling=scaling, **kwargs)
         if dropout:
             raise RuntimeError("cascade suffix attention with attention dropout (suffix_attention_mode excludes it)")

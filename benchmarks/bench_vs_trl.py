@@ -1,0 +1,122 @@
+"""Benchmark: the whole GRPO step of plain `trl.GRPOTrainer` vs `RollplexGRPOTrainer`, side by side in one run.
+
+TRL has no video path, so the workload is an image one: the `small` local Qwen2.5-VL, prompts of one S x S image
+(S = 448: 256 visual tokens) and a one-line question, G completions per prompt forced to exactly C tokens
+(`min_new_tokens`), so the prompt share P / (P + C) is ~90% at C = 32. Both trainers get the same configuration
+(TRL's defaults unless `--fp32`: bf16 autocast, gradient checkpointing, beta = 0, loss "dapo"), the same data, seed
+and reward; Rollplex runs its defaults (shared prefix with cascade suffix attention, shared-prefix decoding from
+G = 8, the serial overlap schedule on CPU). Runs alternate TRL, Rollplex, TRL, ... (`--repeats` each); each run's
+step time is the median of TRL's `step_time` over its steps after the first; the table shows the medians over runs
+and their ratio.
+
+Usage:  .venv/bin/python benchmarks/bench_vs_trl.py [--generations 8] [--completion-length 32] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+
+def _image_dataset(num_prompts: int, size: int, seed: int = 0):
+    """Prompts with one `size` x `size` image each (a coloured square on white, TRL's image columns)."""
+    import random
+
+    from datasets import Dataset
+    from PIL import Image
+
+    from rollplex_trl.data.toy import COLOURS
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(num_prompts):
+        name = rng.choice(list(COLOURS))
+        image = Image.new("RGB", (size, size), (255, 255, 255))
+        lo, hi = size // 4 + i % 8, 3 * size // 4
+        image.paste(COLOURS[name], (lo, lo, hi, hi))
+        rows.append({"prompt": [{"role": "user", "content": "What colour is the square? Answer with one word."}],
+                     "image": image, "solution": name})
+    return Dataset.from_list(rows)
+
+
+def _run(kind: str, model_path: Path, dataset, tmp: Path, args, index: int) -> dict:
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
+    from rollplex_trl.data.toy import answer_reward
+
+    common = dict(
+        output_dir=str(tmp / f"{kind}-{index}"), max_steps=args.steps, per_device_train_batch_size=args.generations,
+        num_generations=args.generations, max_completion_length=args.completion_length,
+        generation_kwargs={"min_new_tokens": args.completion_length}, logging_steps=1, report_to=[],
+        save_strategy="no", seed=0, use_cpu=not torch.cuda.is_available(), learning_rate=1e-6)
+    if args.fp32:
+        common.update(bf16=False, gradient_checkpointing=False)
+    config, trainer_class = ((GRPOConfig(**common), GRPOTrainer) if kind == "trl"
+                             else (RollplexGRPOConfig(**common), RollplexGRPOTrainer))
+    trainer = trainer_class(model=str(model_path), reward_funcs=[answer_reward], args=config, train_dataset=dataset)
+    trainer.train()
+    steps = [r["step_time"] for r in trainer.state.log_history if "step_time" in r][1:]  # drop the warm-up step
+    return {"step_s": statistics.median(steps), "steps": steps,
+            "num_tokens": max(r.get("num_tokens", 0) for r in trainer.state.log_history)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--completion-length", type=int, default=32)
+    parser.add_argument("--image-size", type=int, default=448)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--fp32", action="store_true", help="fp32 without gradient checkpointing for both")
+    parser.add_argument("--out", default="benchmarks/results/vs_trl.json")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+
+    from transformers.utils import logging as hf_logging
+
+    from rollplex_trl.testing.checkpoints import get_checkpoint
+
+    hf_logging.disable_progress_bar()
+    model_path = get_checkpoint("qwen2_5_vl", args.preset)
+    tmp = Path(tempfile.mkdtemp(prefix="rollplex-bench-trl-"))
+    dataset = _image_dataset(args.steps, args.image_size)
+    runs: dict[str, list[dict]] = {"trl": [], "rollplex": []}
+    for index in range(args.repeats):
+        for kind in ("trl", "rollplex"):
+            torch.manual_seed(0)
+            runs[kind].append(_run(kind, model_path, dataset, tmp, args, index))
+            print(f"{kind:>8} run {index}: step {runs[kind][-1]['step_s']:.3f} s", flush=True)
+
+    trl_s = statistics.median(r["step_s"] for r in runs["trl"])
+    ours_s = statistics.median(r["step_s"] for r in runs["rollplex"])
+    tokens = runs["trl"][0]["num_tokens"] / args.steps / args.generations  # P + C per sequence
+    share = 1 - args.completion_length / tokens
+    result = {"meta": {"preset": args.preset, "G": args.generations, "C": args.completion_length,
+                       "image_size": args.image_size, "prompt_share": share, "steps": args.steps,
+                       "repeats": args.repeats, "precision": "fp32" if args.fp32 else "bf16 autocast + checkpointing",
+                       "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
+                       "torch": torch.__version__},
+              "runs": runs, "trl_step_s": trl_s, "rollplex_step_s": ours_s, "ratio": trl_s / ours_s}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print()
+    print("| workload | G | C | prompt share | trl.GRPOTrainer step (s) | RollplexGRPOTrainer step (s) | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| image {args.image_size}² ({result['meta']['precision']}) | {args.generations} | "
+          f"{args.completion_length} | {share:.0%} | {trl_s:.3f} | {ours_s:.3f} | **{trl_s / ours_s:.2f}×** |")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
