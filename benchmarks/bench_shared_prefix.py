@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
+from bench_common import quiet_checkpoint
 
 
 def _saved_bytes(fn) -> int:
@@ -168,15 +167,7 @@ def main() -> None:
                         help="measure the whole step only up to this completion length")
     parser.add_argument("--out", default="benchmarks/results/shared_prefix.json")
     args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
-
-    from transformers.utils import logging as hf_logging
-
-    from rollplex_trl.testing.checkpoints import get_checkpoint
-
-    hf_logging.disable_progress_bar()
-    model_path = get_checkpoint("qwen2_5_vl", args.preset)
+    model_path = quiet_checkpoint(args.preset)
     tmp = Path(tempfile.mkdtemp(prefix="rollplex-bench-"))
     dataset = _dataset(tmp, num_prompts=max(8, args.prompts * args.steps), frames=args.frames, size=args.size)
     probe = _trainer(model_path, dataset, tmp, "off", 2, 8, args)

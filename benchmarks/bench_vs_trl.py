@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
 import tempfile
-import warnings
 from pathlib import Path
 
 import torch
+from bench_common import quiet_checkpoint
 
 
 def _image_dataset(num_prompts: int, size: int, seed: int = 0):
@@ -79,15 +78,7 @@ def main() -> None:
     parser.add_argument("--fp32", action="store_true", help="fp32 without gradient checkpointing for both")
     parser.add_argument("--out", default="benchmarks/results/vs_trl.json")
     args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
-
-    from transformers.utils import logging as hf_logging
-
-    from rollplex_trl.testing.checkpoints import get_checkpoint
-
-    hf_logging.disable_progress_bar()
-    model_path = get_checkpoint("qwen2_5_vl", args.preset)
+    model_path = quiet_checkpoint(args.preset)
     tmp = Path(tempfile.mkdtemp(prefix="rollplex-bench-trl-"))
     dataset = _image_dataset(args.steps, args.image_size)
     runs: dict[str, list[dict]] = {"trl": [], "rollplex": []}
