@@ -111,3 +111,21 @@ def test_share_prefix_on_refuses_unsupported_configs(tiny_qwen2_path, tmp_path, 
     assert "rollplex_share_prefix: off" in caplog.text and "qwen2" in caplog.text
     trainer.train()  # and training still works, on TRL's full forward
     assert not any("rollplex/prefix_rows_per_prompt" in r for r in trainer.state.log_history)
+
+
+def test_video_cascade_suffix_vs_concat_fp32_and_trl_defaults(tiny_vl_path, tmp_path, video_dataset):
+    """rollplex_suffix_attention cascade (the CPU default) vs concat in training: fp32 within 1e-4 over 5 steps
+    (GA 2, beta 0.1); TRL's defaults (bf16 autocast, gradient checkpointing, beta 0, dapo) at bf16 rounding at
+    step 1 (same weights; later steps carry the rounding into the weights)."""
+    kwargs = dict(gradient_accumulation_steps=2, per_device_train_batch_size=2, gradient_checkpointing=True)
+    runs = {a: _run(tiny_vl_path, video_dataset, tmp_path, "auto", rollplex_suffix_attention=a,
+                    output_dir=str(tmp_path / f"fp32-{a}"), **kwargs) for a in ("cascade", "concat")}
+    for a, b in zip(runs["cascade"], runs["concat"], strict=True):
+        for key in (k for k in KEYS if k in b):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    defaults = dict(bf16=True, gradient_checkpointing=True, beta=0.0, loss_type="dapo", max_steps=1)
+    bf16 = {a: _run(tiny_vl_path, video_dataset, tmp_path, "auto", rollplex_suffix_attention=a,
+                    output_dir=str(tmp_path / f"bf16-{a}"), **defaults)[0] for a in ("cascade", "concat")}
+    assert bf16["cascade"]["reward"] == bf16["concat"]["reward"]  # same rollout
+    assert bf16["cascade"]["grad_norm"] == pytest.approx(bf16["concat"]["grad_norm"], rel=2e-2)
+    assert bf16["cascade"]["entropy"] == pytest.approx(bf16["concat"]["entropy"], rel=1e-2)
