@@ -21,8 +21,11 @@ class RollplexGRPOConfig(GRPOConfig):
         rollplex_share_prefix (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): compute each prompt's prefix (vision
             tower + prompt tokens) once per group of G completions in the reference, old and actor log-prob passes,
             and run only the completions against its keys/values. Exact (same log-probs, losses and gradients up to
-            float rounding). `"auto"` turns it on where the configuration supports it and logs the reason once where
-            it does not; `"on"` raises instead; `"off"` runs TRL's full forward for every completion.
+            float rounding). `"auto"` turns it on where the configuration supports it and where it pays: at the first
+            rollout, a modelled cost of both paths (FLOPs from the model's dimensions, the prompts' mean length and
+            visual tokens over every process, `max_completion_length`, G and the suffix attention; prefix/cost.py)
+            decides once for the run, the reason logged once. `"on"` forces it (and raises where unsupported);
+            `"off"` runs TRL's full forward for every completion.
         rollplex_prefix_chunk_prompts (`int`, defaults to `8`): unique prompts per prefix forward in the no-grad
             (reference/old) passes; bounds their peak memory like TRL's per-device batch does.
         rollplex_suffix_attention (`"auto"`, `"cascade"` or `"concat"`, defaults to `"auto"`): how the completions
@@ -71,8 +74,10 @@ class RollplexGRPOConfig(GRPOConfig):
         default="auto",
         metadata={
             "help": "Compute each prompt's prefix (vision tower + prompt) once per group of G completions in the "
-            "reference, old and actor log-prob passes. 'auto': on where supported, otherwise off with the reason "
-            "logged once; 'on': error where unsupported; 'off': TRL's full forward for every completion.",
+            "reference, old and actor log-prob passes. 'auto': on where supported and where the modelled cost of both "
+            "paths says it pays (decided once at the first rollout from the prompts, max_completion_length and G; "
+            "reason logged once); 'on': always (error where unsupported); 'off': TRL's full forward for every "
+            "completion.",
             "choices": ["auto", "on", "off"],
         },
     )

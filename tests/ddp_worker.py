@@ -46,11 +46,19 @@ def main(checkpoint: str, out: str, share: str) -> None:
                 schedule._auto_serial_s = 1e9 if rank == 0 else 0.0
 
         schedule._finish_window = rigged
+    local_sums = []
+    if trainer.sharing is not None:  # "auto": record what this process contributes to the cost decision
+        reduce_sums = trainer.sharing.reduce_sums
+        trainer.sharing.reduce_sums = lambda values: (local_sums.append(values), reduce_sums(values))[1]
     trainer.train()
     model = trainer.accelerator.unwrap_model(trainer.model)
+    choice = trainer.sharing.choice if trainer.sharing is not None else None
     result = {"world": trainer.accelerator.num_processes, "share_actor": trainer.support.share_actor,
               "logs": [r for r in trainer.state.log_history if "loss" in r],
-              "checksum": float(sum(p.double().sum() for p in model.parameters()))}
+              "checksum": float(sum(p.double().sum() for p in model.parameters())),
+              "sharing": None if choice is None else {
+                  "local": local_sums, "share": choice.share,
+                  "shape": [choice.shape.prompt_tokens, choice.shape.visual_tokens]}}
     Path(out, f"{share}-rank{rank}.json").write_text(json.dumps(result))
     # a process group left to the interpreter's exit can abort the process ("terminate called without an active
     # exception"): the trainer's end() closes it, and lets go of it, while both ranks are still here

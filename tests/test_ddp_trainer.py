@@ -30,6 +30,12 @@ def test_shared_actor_prefix_under_ddp_learns_the_same(tiny_vl_path, tmp_path):
     plain = _run(tiny_vl_path, tmp_path, "off", 29584)
     assert all(r["world"] == 2 for r in shared + plain)
     assert all(r["share_actor"] for r in shared) and not any(r["share_actor"] for r in plain)
+    # "auto"'s cost decision: from both processes' prompts (different on each), the same on both
+    local = [r["sharing"]["local"][0] for r in shared]
+    assert local[0] != local[1], "the ranks' first prompts have the same length: the test would not show a thing"
+    total_tokens, total_visual, rows = (a + b for a, b in zip(*local, strict=True))
+    for r in shared:
+        assert r["sharing"]["share"] and r["sharing"]["shape"] == [total_tokens / rows, total_visual / rows]
     keys = ("loss", "kl", "grad_norm", "reward")
     for results in (shared, plain):  # the two processes hold the same weights and log the same numbers
         assert results[0]["checksum"] == results[1]["checksum"]

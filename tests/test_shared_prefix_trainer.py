@@ -129,3 +129,52 @@ def test_video_cascade_suffix_vs_concat_fp32_and_trl_defaults(tiny_vl_path, tmp_
     assert bf16["cascade"]["reward"] == bf16["concat"]["reward"]  # same rollout
     assert bf16["cascade"]["grad_norm"] == pytest.approx(bf16["concat"]["grad_norm"], rel=2e-2)
     assert bf16["cascade"]["entropy"] == pytest.approx(bf16["concat"]["entropy"], rel=1e-2)
+
+
+def _text_dataset():
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"n{i}"}] for i in range(8)]})
+
+
+@pytest.mark.parametrize("defaults", [False, True], ids=["fp32", "trl-defaults"])
+def test_auto_shares_only_where_the_modelled_cost_says_it_pays(tiny_qwen2_path, tiny_vl_path, tmp_path, caplog,
+                                                                video_dataset, defaults):
+    """rollplex_share_prefix="auto" decides once, at the first rollout, from the prompts and max_completion_length
+    (prefix/cost.py): short text prompts with long completions and the concat suffix (what CUDA runs) -> off, and
+    the run is the "off" run exactly (TRL's full forward, no prefix work, no overlap window); a video prompt with
+    short completions -> on, and the run is the "on" run exactly. Also under TRL's defaults (bf16 autocast,
+    gradient checkpointing, beta 0, dapo)."""
+    extra = dict(bf16=True, gradient_checkpointing=True, beta=0.0, loss_type="dapo") if defaults else {}
+    low = dict(max_steps=2, max_completion_length=96, rollplex_suffix_attention="concat", **extra)
+    with caplog.at_level(logging.WARNING):
+        trainer = RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=varied_reward,
+                                      train_dataset=_text_dataset(),
+                                      args=_config(tmp_path, "auto", output_dir=str(tmp_path / "low-auto"),
+                                                   rollplex_overlap="on", **low))
+        assert trainer.support.share_scoring and trainer.overlap is not None  # undecided until the first rollout
+        trainer.train()
+    choice = trainer.sharing.choice
+    assert choice is not None and not choice.share, choice
+    assert choice.shape.completion_tokens == 96 and choice.shape.prompt_share < 0.5
+    assert "rollplex_share_prefix=auto: off" in caplog.text
+    assert "rollplex_overlap='on' needs the shared prefix" in caplog.text
+    assert not trainer.support.share_scoring and not trainer.support.share_actor
+    assert trainer.overlap is None and trainer.actor_window is None
+    auto = [r for r in trainer.state.log_history if "loss" in r]
+    off = _run(tiny_qwen2_path, _text_dataset(), tmp_path, "off", output_dir=str(tmp_path / "low-off"), **low)
+    assert len(auto) == len(off) == 2
+    for a, b in zip(auto, off, strict=True):
+        assert "rollplex/prefix_rows_per_prompt" not in a
+        for key in (k for k in KEYS if k in b):
+            assert a[key] == b[key], key  # the same computation
+
+    high = dict(max_steps=2, **extra)
+    trainer = RollplexGRPOTrainer(model=str(tiny_vl_path), reward_funcs=varied_reward, train_dataset=video_dataset,
+                                  args=_config(tmp_path, "auto", output_dir=str(tmp_path / "high-auto"), **high))
+    trainer.train()
+    assert trainer.sharing.choice.share and trainer.sharing.choice.shape.visual_tokens > 0
+    auto = [r for r in trainer.state.log_history if "loss" in r]
+    on = _run(tiny_vl_path, video_dataset, tmp_path, "on", output_dir=str(tmp_path / "high-on"), **high)
+    for a, b in zip(auto, on, strict=True):
+        assert a["rollplex/prefix_rows_per_prompt"] > 1.0
+        for key in (k for k in KEYS if k in b):
+            assert a[key] == b[key], key

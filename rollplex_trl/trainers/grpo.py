@@ -20,6 +20,7 @@ Batches without prepared prompts (text, or images without the shared prefix) run
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -34,10 +35,12 @@ from rollplex_trl.callbacks.trackers import TimelineImageCallback
 from rollplex_trl.config import rollplex_options
 from rollplex_trl.data.prepared import PREPARED_KEY, VIDEO_COLUMNS
 from rollplex_trl.data.prompt import PreparedPrompt, check_rows_match_ids, generation_fields
+from rollplex_trl.memory.model_dims import dims_from_config
 from rollplex_trl.overlap import OverlapExecutor, OverlapSchedule, PrefixJobs, Span, Timeline
 from rollplex_trl.prefix import suffix_logps, unwrap_model
 from rollplex_trl.prefix.actor import ActorWindow
 from rollplex_trl.prefix.batch import prepared_rows_logps, shared_prefix_logps
+from rollplex_trl.prefix.cost import SharingDecision
 from rollplex_trl.prefix.generation import shared_prefill
 from rollplex_trl.prefix.suffix_attention import suffix_attention_mode
 from rollplex_trl.rollout.trl_vllm import RollplexVLLMGeneration, VLLMRollout
@@ -95,6 +98,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         self.support = self._decide_support()
         log_notices(self.support, self.accelerator.is_main_process)
         self.suffix_attention = self._decide_suffix_attention()
+        self.sharing = self._build_sharing_decision()  # "auto": the cost decision at the first rollout
         self.batch = BatchContext()
         self.actor_window = ActorWindow(
             self.accelerator.autocast, trl_compat.pad_token_id(self),
@@ -148,6 +152,51 @@ class RollplexGRPOTrainer(GRPOTrainer):
         if reason is not None and self.accelerator.is_main_process:
             logger.warning("rollplex_suffix_attention=auto: concat (the prompt's K/V copied per row): %s", reason)
         return mode
+
+    def _build_sharing_decision(self) -> SharingDecision | None:
+        """`rollplex_share_prefix="auto"` where the configuration supports sharing: whether it pays is decided from
+        the first rollout's prompt shapes by the modelled cost of both paths (prefix/cost.py)."""
+        if self.rollplex["rollplex_share_prefix"] != "auto" or not self.support.share_scoring:
+            return None
+        config = self.accelerator.unwrap_model(self.model).config
+        accelerator = self.accelerator
+
+        def reduce_sums(values: list[float]) -> list[float]:
+            if accelerator.num_processes == 1:
+                return values
+            total = accelerator.reduce(torch.tensor(values, dtype=torch.float64, device=accelerator.device), "sum")
+            return total.tolist()
+
+        self._visual_token_ids = {i for i in (getattr(config, "image_token_id", None),
+                                              getattr(config, "video_token_id", None)) if i is not None}
+        warn = logger.warning if accelerator.is_main_process else (lambda message: None)
+        return SharingDecision(dims_from_config(config, getattr(config, "model_type", "model")),
+                               attention=self.suffix_attention, group_size=self.num_generations,
+                               completion_bound=self.max_completion_length, reduce_sums=reduce_sums, warn=warn)
+
+    def _decide_sharing(self, prompt_ids: list[list[int]]) -> None:
+        """The first rollout's (or scoring pass's) prompts decide `auto` once; where sharing does not pay, every
+        shared path is switched off for the run (generation's shared prefill stays: it is always cheaper)."""
+        if self.sharing is None or self.sharing.decided:
+            return
+        visual = self._visual_token_ids
+        choice = self.sharing.decide([len(ids) for ids in prompt_ids],
+                                     [sum(1 for t in ids if t in visual) for ids in prompt_ids])
+        if choice.share:
+            return
+        self.support = dataclasses.replace(self.support, share_scoring=False, share_actor=False,
+                                           average_actor_gradients=False, overlap_window=False)
+        self.actor_window = None
+        if self.overlap is not None:
+            self.overlap.close()
+            self.overlap = None
+            if self.rollplex["rollplex_overlap"] == "on" and self.accelerator.is_main_process:
+                logger.warning("rollplex_overlap='on' needs the shared prefix: off with it (set "
+                               "rollplex_share_prefix='on' to force both)")
+
+    def _decide_sharing_from_mask(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
+        if self.sharing is not None and not self.sharing.decided:
+            self._decide_sharing([ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)])
 
     def _build_megatron(self) -> MegatronBackend:
         ref = self.accelerator.unwrap_model(self.ref_model) if self.ref_model is not None else None
@@ -293,6 +342,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         return self._rollout(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
 
     def _rollout(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images):
+        self._decide_sharing(prompt_ids)
         rows = self.batch.generation_rows
         if self.vllm_rollout is not None:
             (completion_ids, logprobs), step = self.vllm_rollout.generate(
@@ -323,6 +373,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         rows = inputs.get(PREPARED_KEY)
+        self._decide_sharing_from_mask(inputs["prompt_ids"], inputs["prompt_mask"])  # a custom rollout_func's batch
         actor = None
         # Inside a training step's window the prefix is shared across micro-batches (prefix/actor.py); a direct
         # call outside one still shares within the micro-batch (`_get_per_token_logps_and_entropies`).
@@ -374,6 +425,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
             if unexpected:
                 raise RuntimeError(f"internal error: TRL passed vision inputs {unexpected} for prepared rows")
             check_rows_match_ids(rows, input_ids[:, : input_ids.size(1) - logits_to_keep])
+        P = input_ids.size(1) - logits_to_keep
+        self._decide_sharing_from_mask(input_ids[:, :P], attention_mask[:, :P])  # a custom rollout_func's batch
         if self.megatron is not None:  # the other passes (reference, old, actor outside a window) on Megatron
             share = self.support.share_scoring and self._shareable(rows, vision_kwargs)
             logps, entropies, num_prompts = self.megatron.logps_and_entropies(
@@ -387,7 +440,6 @@ class RollplexGRPOTrainer(GRPOTrainer):
             return logps, entropies, None
         if self.batch.actor is not None:  # the policy's loss pass: suffix against this window's prefix
             actor, row_to_prompt = self.batch.actor
-            P = input_ids.size(1) - logits_to_keep
             suffix = (self.megatron.actor_suffix_logps if self.megatron is not None
                       else functools.partial(suffix_logps, attention=self.suffix_attention))
             with self.accelerator.autocast():
