@@ -46,6 +46,9 @@ class RollplexGRPOConfig(GRPOConfig):
         rollplex_memory (`"auto"`, `"on"` or `"off"`, defaults to `"off"`): move memory at every phase boundary (the
             reference model resident only for its pass, optimizer state streamed in chunks, phase-local buffers
             freed); exact. `"auto"`: on where the plan says memory is the constraint, decision logged once.
+        rollplex_offload_activations (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): with `rollplex_memory`
+            acting, park the actor's saved activations off the compute device until their backward (host arena on
+            CPU, pinned memory on CUDA); exact. `"auto"`: where the plan's train phase would not fit the device.
 
     Parameters that choose the training engine:
         rollplex_backend (`"hf"` or `"megatron"`, defaults to `"hf"`): `"megatron"` trains the LLM as Megatron-Core's
@@ -146,6 +149,17 @@ class RollplexGRPOConfig(GRPOConfig):
             "where weights, reference, gradients and optimizer state would take over half of the device (CPU: RAM), "
             "decision logged once; 'on': always, error where unsupported (Megatron, DeepSpeed/FSDP); 'off': nothing "
             "moves.",
+            "choices": ["auto", "on", "off"],
+        },
+    )
+    rollplex_offload_activations: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata={
+            "help": "With rollplex_memory acting: park the actor's saved activations (its loss forward and the "
+            "window's prefix graph) off the compute device until their backward reads them (a host arena file on "
+            "CPU, pinned host memory on CUDA). Exact (byte copies). 'auto': where the memory plan's train phase "
+            "would not fit the device, decided at the first actor micro-batch and logged once; 'on': always (needs "
+            "rollplex_memory); 'off': never.",
             "choices": ["auto", "on", "off"],
         },
     )
@@ -268,6 +282,7 @@ _RULES: dict[str, _Rule] = {
     "rollplex_overlap_timeout_s": _Rule("float", "a finite number of seconds > 0", lambda v: v > 0),
     "rollplex_timeline": _Rule("bool", "true or false"),
     "rollplex_memory": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
+    "rollplex_offload_activations": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
     "rollplex_memory_ledger": _Rule("bool", "true or false"),
     "rollplex_backend": _Rule("choice", "'hf' or 'megatron'", choices=("hf", "megatron")),
     "rollplex_tensor_parallel_size": _Rule("int", "an integer >= 1", lambda v: v >= 1),

@@ -15,6 +15,11 @@ the backward. The copies are exact, so gradients are bit-identical (tested on CP
     loss.backward()
     offload.release()
 
+On CPU, where host and device are the same RAM, pass ``arena=HostArena()``: each saved tensor's bytes are written to
+the arena's file (never mapped into the process) and the in-process copy is dropped, so the resident set really
+drops until the backward reads them back (the trainer's activation offload, ``rollplex_offload_activations``).
+A slot is dropped after its last unpack; ``release()`` empties the arena.
+
 Skipped (returned unchanged): leaves that require grad (the weights, owned by the weight snapshot's lifetime) and
 tensors smaller than ``min_bytes``. A tensor saved by several ops (the input of q/k/v projections) is parked once.
 As a registry object (``MemoryRegistry.register(..., target=offload)``) its placements map to:
@@ -23,32 +28,45 @@ As a registry object (``MemoryRegistry.register(..., target=offload)``) its plac
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
+from rollplex_trl.memory.storage import HostArena
+
 
 class _Parked:
-    """One saved tensor: its host copy, and its device copy while it is back."""
+    """One saved tensor: its host copy (or its slot in a host arena), and its device copy while it is back."""
 
-    def __init__(self, host: torch.Tensor, device: torch.device, copied: torch.cuda.Event | None) -> None:
+    def __init__(self, host: torch.Tensor | None, device: torch.device, copied: torch.cuda.Event | None,
+                 arena_key: int | None = None, shape: torch.Size | None = None,
+                 dtype: torch.dtype | None = None, stride: tuple[int, ...] | None = None) -> None:
         self.host = host
         self.device = device
         self.copied = copied  # D2H completion (CUDA)
+        self.arena_key = arena_key  # CPU with an arena: the bytes wait in its file, `host` is None
+        self.shape = host.shape if host is not None else shape
+        self.dtype = host.dtype if host is not None else dtype
+        self.stride = host.stride() if host is not None else stride
         self.device_copy: torch.Tensor | None = None  # strong ref while prefetched
         self.pending_unpacks = 0
 
     @property
     def nbytes(self) -> int:
-        return self.host.numel() * self.host.element_size()
+        return self.shape.numel() * self.dtype.itemsize
 
 
 class SavedTensorOffload:
-    def __init__(self, host_device: torch.device | str = "cpu", min_bytes: int = 1 << 20) -> None:
+    def __init__(self, host_device: torch.device | str = "cpu", min_bytes: int = 1 << 20,
+                 arena: HostArena | None = None) -> None:
         self.host_device = torch.device(host_device)
         self.min_bytes = min_bytes
+        self.arena = arena  # CPU tensors park here (module docstring)
+        self._keys = itertools.count()
+        self.parked_bytes_total = 0  # every byte parked since the last `release` (a metric)
         self._parked: list[_Parked] = []
         self._by_id: dict[int, tuple[weakref.ref, int, _Parked]] = {}
         self._side: torch.cuda.Stream | None = None
@@ -76,7 +94,27 @@ class SavedTensorOffload:
             seen[2].pending_unpacks += 1
             return seen[2]
         cuda = t.device.type == "cuda" and self.host_device.type == "cpu"
-        host = torch.empty(t.shape, dtype=t.dtype, device=self.host_device, pin_memory=cuda)
+        if self.arena is not None and t.device.type == "cpu":
+            parked = self._park_in_arena(t)
+        else:
+            parked = self._park_on_host(t, cuda)
+        parked.pending_unpacks = 1
+        self._parked.append(parked)
+        self._by_id[id(t)] = (weakref.ref(t), t._version, parked)
+        self.parked_bytes_total += parked.nbytes
+        return parked
+
+    def _park_in_arena(self, t: torch.Tensor) -> _Parked:
+        dense = _dense(t)  # its bytes are one span from data_ptr
+        key = next(self._keys)
+        self.arena.write(key, dense.data_ptr(), dense.numel() * dense.element_size())
+        return _Parked(None, t.device, None, arena_key=key, shape=t.shape, dtype=t.dtype, stride=dense.stride())
+
+    def _park_on_host(self, t: torch.Tensor, cuda: bool) -> _Parked:
+        dense = _dense(t)
+        host = torch.empty_strided(dense.shape, dense.stride(), dtype=t.dtype, device=self.host_device,
+                                   pin_memory=cuda)
+        t = dense
         event = None
         if cuda:
             side = self._side_stream(t.device)
@@ -88,11 +126,7 @@ class SavedTensorOffload:
             event.record(side)
         else:
             host.copy_(t)
-        parked = _Parked(host, t.device, event)
-        parked.pending_unpacks = 1
-        self._parked.append(parked)
-        self._by_id[id(t)] = (weakref.ref(t), t._version, parked)
-        return parked
+        return _Parked(host, t.device, event)
 
     def _unpack(self, handle):
         if isinstance(handle, torch.Tensor):
@@ -102,13 +136,20 @@ class SavedTensorOffload:
             dev = self._copy_back(handle)
         handle.pending_unpacks -= 1
         if handle.pending_unpacks <= 0:
-            # its last reader: let the device copy go with the autograd node (host copy stays until release)
+            # its last reader: let the device copy go with the autograd node (host copy stays until release; an
+            # arena slot is dropped now)
             handle.device_copy = None
+            if handle.arena_key is not None:
+                self.arena.drop(handle.arena_key)
         return dev
 
     def _copy_back(self, handle: _Parked, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
         if handle.copied is not None:
             handle.copied.synchronize()
+        if handle.arena_key is not None:
+            out = torch.empty_strided(handle.shape, handle.stride, dtype=handle.dtype, device=handle.device)
+            self.arena.read(handle.arena_key, out.data_ptr(), handle.nbytes)
+            return out
         if handle.device.type != "cuda":
             return handle.host.to(handle.device, copy=True)
         with torch.cuda.stream(stream) if stream is not None else _nullcontext():
@@ -143,19 +184,44 @@ class SavedTensorOffload:
         self.release()
 
     def release(self) -> None:
-        """Forget every parked tensor (after the backward). Autograd nodes still holding handles keep theirs."""
+        """Forget every parked tensor (after the backward). Autograd nodes still holding handles keep theirs (not
+        with an arena: its slots are gone, so release only after every backward that reads them)."""
         self._parked.clear()
         self._by_id.clear()
+        self.parked_bytes_total = 0
+        if self.arena is not None:
+            self.arena.clear()
 
     def nbytes(self) -> int:
         return sum(h.nbytes for h in self._parked)
 
     def device_bytes(self) -> int:
+        """Bytes of parked tensors on the compute device now (brought back, or never moved off it)."""
         return sum(h.nbytes for h in self._parked if h.device_copy is not None)
 
     @property
     def num_parked(self) -> int:
         return len(self._parked)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself where its elements fill one span without gaps (any dimension order), else a contiguous copy.
+
+    Unpacking with the saved tensor's own strides matters for exactness: a backward kernel given a transposed
+    operand in another memory order can sum in another order (bf16 grad norms differed by 1.6e-5 when the
+    unpacked tensors were all made contiguous)."""
+    return t if _fills_one_span(t) else t.contiguous()
+
+
+def _fills_one_span(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements are a permutation of a contiguous block (no gaps, no overlap)."""
+    expected = 1
+    for size, stride in sorted((d for d in zip(t.shape, t.stride(), strict=True) if d[0] != 1),
+                               key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 class _nullcontext:

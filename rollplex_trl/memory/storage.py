@@ -307,6 +307,14 @@ class HostArena:
         if slot is not None:
             self._free.append(slot)
 
+    def clear(self) -> None:
+        """Drop every slot and give the file's pages back (its size goes to zero)."""
+        self._slots.clear()
+        self._free.clear()
+        self._end = 0
+        if self.fd >= 0:
+            os.ftruncate(self.fd, 0)
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)

@@ -60,7 +60,7 @@ from rollplex_trl.trainers.megatron import (
     TensorParallelReplicaSampler,
     refuse_megatron_setup,
 )
-from rollplex_trl.trainers.memory import PhaseMemory
+from rollplex_trl.trainers.memory import PhaseMemory, vllm_sleep_for_memory
 from rollplex_trl.trainers.rewards import reject_non_finite_rewards
 from rollplex_trl.trainers.support import Support, decide_support, log_notices, refuse_before_setup
 
@@ -89,7 +89,11 @@ class RollplexGRPOTrainer(GRPOTrainer):
             refuse_megatron_setup(arguments["args"], peft_config=arguments.get("peft_config"),
                                   world_size=PartialState().num_processes,
                                   train_dataset=arguments.get("train_dataset"))
-        vllm_dtype = rollplex_options(arguments.get("args"))["rollplex_vllm_dtype"]
+        config = arguments.get("args")
+        vllm_dtype = rollplex_options(config)["rollplex_vllm_dtype"]
+        # rollplex_memory="on": vLLM's sleep mode, set before TRL builds the engine
+        sleep_notice = vllm_sleep_for_memory(config, rollplex_options(config), cuda=torch.cuda.is_available()
+                                             and not getattr(config, "use_cpu", False))
         # TRL builds its vLLM generation object inside __init__: ours stands in (same constructor and options)
         with trl_compat.trl_builds_vllm_generation(functools.partial(RollplexVLLMGeneration, vllm_dtype=vllm_dtype)):
             super().__init__(*args, **kwargs)
@@ -97,6 +101,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
         self.megatron = self._build_megatron() if self.rollplex["rollplex_backend"] == "megatron" else None
         self.support = self._decide_support()
         log_notices(self.support, self.accelerator.is_main_process)
+        if sleep_notice is not None and self.accelerator.is_main_process:
+            logger.warning(sleep_notice)
         self.suffix_attention = self._decide_suffix_attention()
         self.sharing = self._build_sharing_decision()  # "auto": the cost decision at the first rollout
         self.batch = BatchContext()
@@ -372,6 +378,16 @@ class RollplexGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        memory = self.phase_memory
+        if memory is None or not (self.model.training and torch.is_grad_enabled()):
+            return self._loss_in_actor_window(model, inputs, return_outputs, num_items_in_batch)
+        memory.decide_activation_offload(self, prompt_len=inputs["prompt_ids"].size(1),
+                                         completion_len=inputs["completion_ids"].size(1),
+                                         micro_batch=inputs["prompt_ids"].size(0))
+        with memory.actor_activations():  # saved activations parked until the backward (rollplex_offload_activations)
+            return self._loss_in_actor_window(model, inputs, return_outputs, num_items_in_batch)
+
+    def _loss_in_actor_window(self, model, inputs, return_outputs, num_items_in_batch):
         rows = inputs.get(PREPARED_KEY)
         self._decide_sharing_from_mask(inputs["prompt_ids"], inputs["prompt_mask"])  # a custom rollout_func's batch
         actor = None
@@ -406,6 +422,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
         output = super().training_step(model, inputs, num_items_in_batch)
         if self.actor_window is not None:
             self.actor_window.step_done(self._trained_model(self.model))
+        if self.phase_memory is not None and (self.actor_window is None or not self.actor_window.is_open):
+            self.phase_memory.activations_done(self._record)  # every backward that reads them has run
         self.timeline.add(Span("micro-step", "step", start, time.perf_counter()))  # includes the rollout
         if self.overlap is not None and trl_compat.micro_step(self) % self.current_gradient_accumulation_steps == 0:
             self.overlap.assert_idle()  # barrier 3: the optimizer step follows

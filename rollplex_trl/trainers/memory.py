@@ -13,6 +13,9 @@ What moves at which phase boundary (phases: rollout -> score -> train -> optimiz
     gradients                      phase-local  train -> optimizer              dropped at the sync boundary
     optimizer slots                phase-local  the optimizer step              freed at its end
     actor prefix (boundary)        boundary     train                           freed (registered by the ledger)
+    actor's saved activations      phase-local  from their forward to their     host arena (CPU) / pinned host
+    (`rollplex_offload_activations`)            backward read                   memory (CUDA); where the plan says
+                                                                                the actor would not fit, or "on"
 
 "Offloaded" on CPU means what it means on a GPU: the storage of every tensor is resized to zero bytes (FSDP's move;
 tensor objects, `nn.Parameter` identity and views stay valid) and the bytes wait in a `HostArena`, a file in
@@ -40,6 +43,7 @@ import torch
 
 from rollplex_trl.memory.lifetime import LifetimeClass, Phase, Placement
 from rollplex_trl.memory.registry import MemoryObject
+from rollplex_trl.memory.saved_tensors import SavedTensorOffload
 from rollplex_trl.memory.storage import HostArena, TensorGroup, release_free_memory
 from rollplex_trl.memory.streamed_optimizer import StreamedOptimizer, register_streamed_optimizer
 
@@ -52,6 +56,8 @@ _STREAMABLE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim
 AUTO_PRESSURE = 0.5
 CPU_CHUNK_BYTES = 16 << 20
 CUDA_CHUNK_BYTES = 512 << 20
+# Saved activations smaller than this stay where they are (the copies' fixed cost would outweigh the bytes)
+OFFLOAD_MIN_BYTES = 64 << 10
 
 
 def _tensor_bytes(tensors) -> int:
@@ -121,6 +127,24 @@ def _adopt_resizable(params: list[torch.nn.Parameter]) -> None:
     release_free_memory()
 
 
+def vllm_sleep_for_memory(args: Any, options: dict[str, Any], cuda: bool) -> str | None:
+    """With `rollplex_memory="on"`, the colocated vLLM engine's rollout-only memory (its KV cache, and its weights
+    where they are not shared) is released before training and restored before the next rollout: TRL's
+    `vllm_enable_sleep_mode`, which this turns on (before TRL builds the engine) where vLLM supports it. Returns the
+    message to log once, or None where nothing applies. (The transformers engine's KV cache lives only inside its
+    `generate` call: nothing to release.)"""
+    if options.get("rollplex_memory") != "on" or not getattr(args, "use_vllm", False):
+        return None
+    if getattr(args, "vllm_mode", "colocate") != "colocate" or getattr(args, "vllm_enable_sleep_mode", False):
+        return None  # server mode: the server owns its memory; sleep already on
+    if not cuda:
+        return ("rollplex_memory: vLLM's KV cache stays allocated between rollouts (vLLM's sleep mode is not "
+                "supported on CPU)")
+    args.vllm_enable_sleep_mode = True
+    return ("rollplex_memory: vllm_enable_sleep_mode=True (the KV cache, and the weights where not shared, are "
+            "released after each rollout and restored before the next)")
+
+
 class PhaseMemory:
     """Acts at the phase boundaries of a `RollplexGRPOTrainer` (module docstring). `active=False` only marks the
     reference pass as the `score` phase in the ledger (for side-by-side measurements) and moves nothing."""
@@ -156,6 +180,12 @@ class PhaseMemory:
         self.optimizer: StreamedOptimizer | None = None
         self.ref_object: MemoryObject | None = None
         self._depth = 0
+        self._arena_dir = arena_dir
+        self.offload_mode = trainer.rollplex.get("rollplex_offload_activations", "off") if active else "off"
+        self.activation_offload: SavedTensorOffload | None = None
+        self._offload_decided = self.offload_mode != "auto"
+        if self.offload_mode == "on":
+            self.activation_offload = self._new_activation_offload()
         self._policy_params = [p for p in trainer.accelerator.unwrap_model(trainer.model).parameters()]
         if not active:
             return
@@ -174,6 +204,9 @@ class PhaseMemory:
         """The component for `trainer.rollplex["rollplex_memory"]`, or None when off (the decision logged once)."""
         mode = trainer.rollplex.get("rollplex_memory", "off")
         if mode == "off":
+            if trainer.rollplex.get("rollplex_offload_activations", "auto") == "on":
+                raise ValueError("rollplex_offload_activations='on' acts through the phase memory: set "
+                                 "rollplex_memory='on' (or 'auto') as well, or rollplex_offload_activations='auto'")
             return None
         refusal = cls.unsupported(trainer)
         if refusal is not None:
@@ -323,11 +356,11 @@ class PhaseMemory:
             self.ledger.begin_phase(phase)
 
     def prefix_jobs(self, jobs: Any) -> Any:
-        """The overlap schedule's `PrefixJobs`, its reference job holding the reference weights while it runs (in
-        the decode window, on whichever thread runs it); the rest unchanged."""
-        if self.ref_object is None:
+        """The overlap schedule's `PrefixJobs`: its reference job holding the reference weights while it runs, its
+        actor job's saved activations parked (where offloading), on whichever thread runs them; the rest unchanged."""
+        if self.ref_object is None and self.offload_mode == "off":
             return jobs
-        return _ReferenceHoldingJobs(jobs, self)
+        return _PhaseHoldingJobs(jobs, self)
 
     # --- ledger vs plan -------------------------------------------------------------------------------------------
 
@@ -338,12 +371,10 @@ class PhaseMemory:
             out[rec.phase.value] = max(out.get(rec.phase.value, 0), rec.peak_bytes)
         return out
 
-    def planned(self, trainer: Any, *, prompt_len: int, completion_len: int) -> dict[str, dict[str, float]]:
-        """The planner's prediction for this model and configuration, per phase, for the objects this component
-        registers (policy and reference weights, gradients, optimizer state): `rollplex` (the plan acting) and
-        `resident` (nothing moved: naive colocation's entries for the same objects)."""
+    def _plan_report(self, trainer: Any, *, prompt_len: int, completion_len: int, micro_batch: int = 1):
+        """The planner's report for this trainer's model and configuration at these lengths (one process)."""
         from rollplex_trl.memory.model_dims import dims_from_config
-        from rollplex_trl.memory.planner import PHASES, Assumptions, Workload, plan_memory
+        from rollplex_trl.memory.planner import Assumptions, Workload, plan_memory
 
         policy = trainer.accelerator.unwrap_model(trainer.model)
         dims = dims_from_config(policy.config, getattr(policy.config, "_name_or_path", "model"))
@@ -352,13 +383,25 @@ class PhaseMemory:
         prompts = max(1, trainer.args.per_device_train_batch_size * trainer.args.steps_per_generation // G)
         workload = Workload(train_tp=1, rollout_tp=1, num_gpus=1, batch=prompts, num_generations=G,
                             prompt_len=max(1, prompt_len), completion_len=max(1, completion_len),
-                            device_mem_gib=_device_capacity(self.device) / 2**30 or 80.0)
+                            device_mem_gib=_device_capacity(self.device) / 2**30 or 80.0,
+                            micro_batch=max(1, micro_batch))
         assumptions = Assumptions(
             param_bytes=element, grad_bytes=element, master_bytes=0, moment_bytes=element,
             distributed_optimizer=False, reference_model=self.ref_object is not None,
             runtime_overhead_gib=0.0, incompatible_weight_fraction=0.0,
             optimizer_chunk_mib=max(1, self.chunk_bytes >> 20), kv_bytes=element)
-        report = plan_memory(dims, workload, assumptions)
+        return plan_memory(dims, workload, assumptions)
+
+    def planned(self, trainer: Any, *, prompt_len: int, completion_len: int) -> dict[str, dict[str, float]]:
+        """The planner's prediction for this model and configuration, per phase, for the objects this component
+        registers (policy and reference weights, gradients, optimizer state): `rollplex` (the plan acting) and
+        `resident` (nothing moved: naive colocation's entries for the same objects)."""
+        from rollplex_trl.memory.model_dims import dims_from_config
+        from rollplex_trl.memory.planner import PHASES
+
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        dims = dims_from_config(policy.config, getattr(policy.config, "_name_or_path", "model"))
+        report = self._plan_report(trainer, prompt_len=prompt_len, completion_len=completion_len)
         names = {c.name for key, c in report.components.items()
                  if key in ("actor_weights", "ref_weights", "grads", "master", "moments")}
         out = {}
@@ -369,13 +412,61 @@ class PhaseMemory:
                              "model": float(sum(p.numel() for p in policy.parameters()))}
         return out
 
+    # --- the actor's saved activations -----------------------------------------------------------------------------
+
+    def _new_activation_offload(self) -> SavedTensorOffload:
+        arena = HostArena(self._arena_dir) if self.device.type == "cpu" else None
+        return SavedTensorOffload(host_device="cpu", min_bytes=OFFLOAD_MIN_BYTES, arena=arena)
+
+    def decide_activation_offload(self, trainer: Any, *, prompt_len: int, completion_len: int,
+                                  micro_batch: int) -> None:
+        """"auto", at the first actor micro-batch: offload where the plan's train phase (weights, gradients,
+        boundary state and this micro-batch's activations, every process's largest) exceeds the device."""
+        if self._offload_decided:
+            return
+        self._offload_decided = True
+        report = self._plan_report(trainer, prompt_len=prompt_len, completion_len=completion_len,
+                                   micro_batch=micro_batch)
+        need = report.plans["rollplex"].phase_bytes(Phase.TRAIN)
+        if trainer.accelerator.num_processes > 1:
+            from accelerate.utils import gather
+
+            need = float(gather(torch.tensor([need], dtype=torch.float64, device=self.device)).max())
+        capacity = _device_capacity(self.device)
+        offload = capacity > 0 and need > capacity
+        gib = 2**30
+        self._log(trainer, f"rollplex_offload_activations='auto': {'on' if offload else 'off'}, the plan's train "
+                  f"phase needs {need / gib:.2f} GiB of the {capacity / gib:.0f} GiB "
+                  f"{'device' if self.device.type == 'cuda' else 'host RAM'} (prompt {prompt_len}, completion "
+                  f"{completion_len}, {micro_batch} sequences per micro-batch)")
+        if offload:
+            self.activation_offload = self._new_activation_offload()
+
+    def actor_activations(self):
+        """The actor's forward (a micro-step's loss, the window's prefix): saved activations parked on the host."""
+        if self.activation_offload is None:
+            return contextlib.nullcontext()
+        return self.activation_offload.hooks()
+
+    def activations_done(self, record: Any) -> None:
+        """After the backward that read them (the window's end): the parked bytes counted, the arena emptied."""
+        offload = self.activation_offload
+        if offload is None:
+            return
+        record("rollplex/mem_activations_offloaded_bytes", float(offload.parked_bytes_total))
+        offload.release()
+
     def close(self) -> None:
         if self.arena is not None:
             self.arena.close()
+        if self.activation_offload is not None and self.activation_offload.arena is not None:
+            self.activation_offload.arena.close()
 
 
-class _ReferenceHoldingJobs:
-    """`PrefixJobs` whose windows' "ref" job runs inside `PhaseMemory`'s hold on the reference weights."""
+class _PhaseHoldingJobs:
+    """`PrefixJobs` whose windows' "ref" job runs inside `PhaseMemory`'s hold on the reference weights and whose
+    "actor" job (the prefix graph kept for the window's backward) runs under the activation offload's hooks (they
+    are thread-local: entered inside the job, on the thread that runs it)."""
 
     def __init__(self, jobs: Any, memory: PhaseMemory) -> None:
         self._jobs = jobs
@@ -385,11 +476,13 @@ class _ReferenceHoldingJobs:
         return getattr(self._jobs, name)
 
     def for_window(self, *args: Any, **kwargs: Any) -> list:
-        def held(run):
+        def held(run, context):
             @functools.wraps(run)
             def wrapped():
-                with self._memory._holding_reference():
+                with context():
                     return run()
             return wrapped
 
-        return [(name, held(run) if name == "ref" else run) for name, run in self._jobs.for_window(*args, **kwargs)]
+        contexts = {"ref": self._memory._holding_reference, "actor": self._memory.actor_activations}
+        return [(name, held(run, contexts[name]) if name in contexts else run)
+                for name, run in self._jobs.for_window(*args, **kwargs)]
