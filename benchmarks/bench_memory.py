@@ -11,6 +11,9 @@ allocated before, so two runs must not share one), alternating off/on; the table
 The target (issue 14): the step's peak drops by at least the reference model's bytes plus the optimizer state's
 bytes, and the step is at most 1.1x slower on CPU.
 
+`--offload` adds a third mode, "offload": memory on with `rollplex_offload_activations="on"` (the actor's saved
+activations parked in the host arena until their backward), with the bytes it parked per step.
+
 Both modes run the same trainer with the same hooks; "off" only marks the phases (PhaseMemory(active=False)), so
 both measure the same way (the ledger also trims malloc's free lists at each phase start in both).
 
@@ -64,7 +67,9 @@ def worker(args) -> dict:
         num_generations=args.generations, max_completion_length=args.completion,
         generation_kwargs={"min_new_tokens": args.completion}, beta=0.04, learning_rate=1e-6, logging_steps=1,
         report_to=[], save_strategy="no", seed=0, use_cpu=not cuda, bf16=False, gradient_checkpointing=True,
-        rollplex_memory=args.mode, rollplex_video_max_frames=args.frames, rollplex_video_min_pixels=28 * 28 * 4,
+        rollplex_memory="off" if args.mode == "off" else "on",
+        rollplex_offload_activations="on" if args.mode == "offload" else "auto",
+        rollplex_video_max_frames=args.frames, rollplex_video_min_pixels=28 * 28 * 4,
         rollplex_video_max_pixels=args.size * args.size, rollplex_prefix_chunk_prompts=args.prompts,
         disable_tqdm=True,
     )
@@ -98,7 +103,10 @@ def worker(args) -> dict:
     batch = trainer.train_dataset[0]["rollplex_prompt"]
     plan = memory.planned(trainer, prompt_len=batch.num_prompt_tokens, completion_len=args.completion) \
         if memory.active else None
+    offloaded = [r["rollplex/mem_activations_offloaded_bytes"] for r in trainer.state.log_history
+                 if "rollplex/mem_activations_offloaded_bytes" in r][1:]
     return {"mode": args.mode, "device": "cuda" if cuda else "cpu", "step_s": steps, "phase_s": phase_s,
+            "activations_offloaded_bytes": statistics.median(offloaded) if offloaded else 0.0,
             "phase_peak_bytes": phase_peak, "step_peak_bytes": max(phase_peak.values()),
             "registered_peak_bytes": registered if memory.active else None, "plan_bytes": plan, "sizes": sizes,
             "prompt_tokens": batch.num_prompt_tokens,
@@ -130,6 +138,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "step_peak_bytes": _median([r["step_peak_bytes"] for r in rs]),
             "phase_peak_bytes": {p: _median([r["phase_peak_bytes"].get(p, 0) for r in rs]) for p in PHASES},
             "phase_s": {p: _median([r["phase_s"].get(p, 0.0) for r in rs]) for p in PHASES},
+            "activations_offloaded_bytes": _median([r.get("activations_offloaded_bytes", 0.0) for r in rs]),
         }
     on, off = runs["on"][0], runs["off"][0]
     sizes = on["sizes"]
@@ -162,7 +171,9 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=112)
     parser.add_argument("--quick", action="store_true", help="3 steps, 2 repeats")
     parser.add_argument("--out", default="benchmarks/results/memory.json")
-    parser.add_argument("--worker", choices=["off", "on"], help=argparse.SUPPRESS)
+    parser.add_argument("--offload", action="store_true",
+                        help="also memory on + rollplex_offload_activations='on' (the actor's activations parked)")
+    parser.add_argument("--worker", choices=["off", "on", "offload"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--annotations", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -185,9 +196,10 @@ def main() -> None:
     args.annotations = write_synthetic_video_dataset(
         tmp / "data", SyntheticVideoConfig(num_samples=max(8, args.prompts * args.steps), seed=0,
                                            num_frames=args.frames, height=args.size, width=args.size, fps=2))
-    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    modes = ("off", "on", "offload") if args.offload else ("off", "on")
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for i in range(args.repeats):
-        for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
+        for mode in modes if i % 2 == 0 else tuple(reversed(modes)):
             r = _run_worker(args, mode)
             runs[mode].append(r)
             print(f"repeat {i} {mode:>3}: step {_median(r['step_s']):.3f}s  peak {r['step_peak_bytes'] / MIB:.0f} MiB"
@@ -221,6 +233,15 @@ def main() -> None:
           f"{'met' if s['meets_memory_target'] else 'NOT met'}")
     print(f"step time off {s['off']['step_s']:.3f}s, on {s['on']['step_s']:.3f}s: {s['step_ratio']:.3f}x "
           f"({'within' if s['meets_time_target'] else 'NOT within'} 1.1x)")
+    if "offload" in s:
+        o = s["offload"]
+        print("\n| phase | peak on (MiB) | peak on + activation offload (MiB) | drop (MiB) |")
+        print("|---|---:|---:|---:|")
+        for p in PHASES:
+            on, off_ = s["on"]["phase_peak_bytes"][p], o["phase_peak_bytes"][p]
+            print(f"| {p} | {on / MIB:.0f} | {off_ / MIB:.0f} | {(on - off_) / MIB:.0f} |")
+        print(f"activations parked per step {o['activations_offloaded_bytes'] / MIB:.1f} MiB; step "
+              f"{o['step_s']:.3f}s vs {s['on']['step_s']:.3f}s ({o['step_s'] / s['on']['step_s']:.3f}x)")
     print(f"\nwrote {out}")
 
 
