@@ -1,8 +1,8 @@
 """Benchmark: shared-prefix log-probs vs TRL's serial full forward, side by side in one run.
 
 For each (G, prompt share) it builds three RollplexGRPOTrainer instances on the `small` local Qwen2.5-VL and the
-synthetic video task, identical except for `rollplex_share_prefix` ("off" = TRL's serial path, "auto" = shared) and
-`rollplex_suffix_attention` ("concat": the prompt's K/V copied to every row; "cascade": what "auto" runs on CPU),
+synthetic video task, identical except for `rollplex_share_prefix` ("off" = TRL's serial path, "on" = shared) and
+`rollplex_suffix_attention` ("concat": the prompt's K/V copied to every row, what CUDA runs; "cascade": what CPU runs),
 and measures, on the same generation batch:
 - the reference pass (no grad, reference model),
 - the actor pass (forward + backward of the log-probs),
@@ -10,6 +10,11 @@ and measures, on the same generation batch:
 It reports medians of several repeats and the serial/shared ratios, and a memory figure: on CUDA the peak
 allocated bytes of each pass; on CPU (no allocator statistics) the bytes the actor pass saves for backward
 (autograd saved tensors, deduplicated by storage), which is what dominates activation memory.
+
+"auto" (`rollplex_share_prefix="auto"`, the default) is a fourth and fifth trainer per row (cascade and concat suffix):
+each takes its decision through the trainer's own first rollout (prefix/cost.py: from the prompts, max_completion_length
+= C and G; no timing), and then runs exactly the code of the path it chose, so its time is that path's time measured
+above (reported as such, not measured a second time).
 
 The prompt share P / (P + C) is set through the completion length C (generation is forced to exactly C tokens
 with min_new_tokens); P is fixed by the clip (frames x size) and the prompt text.
@@ -148,6 +153,23 @@ def _measure(trainer, args, C: int) -> dict:
     return result
 
 
+def _auto_decision(trainer, args) -> dict:
+    """The trainer's own `auto` decision, taken at its first rollout (a short one: the decision reads the prompts,
+    and max_completion_length from the configuration, not the completions)."""
+    G = trainer.num_generations
+    trainer.max_completion_length = 2
+    trainer.generation_config.max_new_tokens, trainer.generation_config.min_new_tokens = 2, None
+    trainer.model.train()
+    trainer._generate_and_score_completions([trainer.train_dataset[i // G] for i in range(G * args.prompts)])
+    choice = trainer.sharing.choice
+    return {"share": choice.share, "modelled_speedup": choice.modelled_speedup}
+
+
+def _auto_text(auto: dict) -> str:
+    verdict = "on" if auto["share"] else "off"
+    return f"{verdict} {auto['ratio_ref_plus_actor']:.2f}x (model {auto['modelled_speedup']:.2f})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small")
@@ -183,15 +205,21 @@ def main() -> None:
     rows = []
     # serial (TRL's full forward), shared with the prompt's K/V copied per row (concat), shared with cascade
     # suffix attention (what rollplex_suffix_attention="auto" runs on CPU)
-    variants = {"serial": ("off", "concat"), "shared_concat": ("auto", "concat"), "shared": ("auto", "cascade")}
+    variants = {"serial": ("off", "concat"), "shared_concat": ("on", "concat"), "shared": ("on", "cascade")}
     for G, C in grid:
         measured = {}
         for name, (share, attention) in variants.items():
             torch.manual_seed(0)
             measured[name] = _measure(_trainer(model_path, dataset, tmp, share, G, C, args, attention), args, C)
         serial, shared, concat = measured["serial"], measured["shared"], measured["shared_concat"]
+        auto = {attention: _auto_decision(_trainer(model_path, dataset, tmp, "auto", G, C, args, attention), args)
+                for attention in ("cascade", "concat")}
+        serial_s = serial["ref_s"] + serial["actor_s"]
+        for attention, path in (("cascade", shared), ("concat", concat)):
+            chosen = path if auto[attention]["share"] else serial
+            auto[attention]["ratio_ref_plus_actor"] = serial_s / (chosen["ref_s"] + chosen["actor_s"])
         row = {"G": G, "C": C, "P": serial["P"], "prompt_share": serial["prompt_share"],
-               "serial": serial, "shared": shared, "shared_concat": concat,
+               "serial": serial, "shared": shared, "shared_concat": concat, "auto": auto,
                "ratio_ref_plus_actor_concat": (serial["ref_s"] + serial["actor_s"])
                / (concat["ref_s"] + concat["actor_s"]),
                "actor_saved_bytes_ratio_concat": concat["actor_saved_bytes"] / serial["actor_saved_bytes"],
@@ -209,20 +237,22 @@ def main() -> None:
               f"step {_fmt(serial['step_s'])}/{_fmt(shared['step_s'])}s ({_fmt(row['ratio_step'])}x)  "
               f"actor saved bytes x{row['actor_saved_bytes_ratio']:.2f}  "
               f"(concat: ref+actor {row['ratio_ref_plus_actor_concat']:.2f}x, "
-              f"saved x{row['actor_saved_bytes_ratio_concat']:.2f})", flush=True)
+              f"saved x{row['actor_saved_bytes_ratio_concat']:.2f})  auto: cascade "
+              f"{_auto_text(auto['cascade'])}, concat {_auto_text(auto['concat'])}", flush=True)
 
     out = _write(args.out, args, rows)
     print()
     print("| G | P | C | prompt share | ref serial / concat / cascade (s) | actor serial / concat / cascade (s) | "
-          "ref+actor ratio concat | ratio cascade | step serial (s) | step cascade (s) | ratio | "
-          "actor saved bytes concat/serial | cascade/serial |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "ref+actor vs serial: concat | cascade | auto (cascade) | auto (concat) | step serial (s) | "
+          "step cascade (s) | ratio | actor saved bytes concat/serial | cascade/serial |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         s, h, c = r["serial"], r["shared"], r["shared_concat"]
         print(f"| {r['G']} | {r['P']} | {r['C']} | {r['prompt_share']:.0%} | "
               f"{s['ref_s']:.3f} / {c['ref_s']:.3f} / {h['ref_s']:.3f} | "
               f"{s['actor_s']:.3f} / {c['actor_s']:.3f} / {h['actor_s']:.3f} | "
-              f"{r['ratio_ref_plus_actor_concat']:.2f}x | {r['ratio_ref_plus_actor']:.2f}x | {_fmt(s['step_s'])} | "
+              f"{r['ratio_ref_plus_actor_concat']:.2f}x | {r['ratio_ref_plus_actor']:.2f}x | "
+              f"{_auto_text(r['auto']['cascade'])} | {_auto_text(r['auto']['concat'])} | {_fmt(s['step_s'])} | "
               f"{_fmt(h['step_s'])} | {_fmt(r['ratio_step'])}x | {r['actor_saved_bytes_ratio_concat']:.2f} | "
               f"{r['actor_saved_bytes_ratio']:.2f} |")
     print(f"\nwrote {out}")

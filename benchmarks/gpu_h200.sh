@@ -41,3 +41,7 @@ timeout 300 "$PY" benchmarks/bench_overlap.py --preset "$preset" "${overlap_args
 # CUDA path, no CPU shims). Never run on a GPU yet.
 timeout 300 "$PY" benchmarks/bench_megatron.py --preset "$preset" --quick --max-tp 1 \
     --out "$OUT/megatron_h200.json" 2>&1 | tail -n 8 || echo "megatron check failed (see above)"
+# Phase-aware memory on CUDA (pinned host buffers, side-stream copies, allocator peaks per phase): off / on / on +
+# activation offload side by side. Never run on a GPU yet.
+timeout 300 "$PY" benchmarks/bench_memory.py --preset "$preset" --quick --offload \
+    --out "$OUT/memory_h200.json" 2>&1 | tail -n 24 || echo "memory check failed (see above)"

@@ -11,7 +11,7 @@ attention path:
   their attention over the prompt (C x P per row) and causally over their own tokens (half of C x C);
 - shared, "concat" suffix: the same linear work, but the rows' attention gets an explicit mask, so the full
   C x (P + C) is computed per row (the masked upper half included). This is what makes the shared path slower than
-  serial at a low prompt share: ~0.82-0.85x at ~10% share with G = 8 on the `small` preset, which this model
+  serial at a low prompt share: ~0.81-0.88x at ~10% share with G = 8 or 16 on the `small` preset, which this model
   predicts (0.85x; `benchmarks/bench_shared_prefix.py --low-share`).
 
 Costs are forward FLOPs of the matmuls (the backward scales both paths alike). Elementwise work, the K/V copy of the
