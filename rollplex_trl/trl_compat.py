@@ -9,7 +9,9 @@ What lives here, each with why:
 - accessors for private attributes of TRL's trainer and of its vLLM generation object;
 - the runtime patches: building our vLLM generation object where TRL builds its own, wrapping TRL's `_generate` in a
   memory phase, reading TRL's fused-LM-head closure, and the transformers gradient-checkpointing attributes the
-  prefix pass reads and sets.
+  prefix pass reads and sets;
+- transformers' attention dispatch: registering the cascade wrappers and switching a model's text config to one
+  for a call (prefix/suffix_attention.py, prefix/shared_decode.py).
 """
 
 from __future__ import annotations
@@ -267,3 +269,40 @@ def checkpointed_forwards_within(layers: Any, context: Callable[[], Any]) -> Ite
     finally:
         for layer, original in touched:
             layer._gradient_checkpointing_func = original
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# transformers' attention dispatch (why: the cascade wrappers of prefix/suffix_attention.py and
+# prefix/shared_decode.py are registered implementations, switched on the text config for one call; transformers
+# reads the implementation from the private `config._attn_implementation` and keeps registrations in the private
+# `AttentionInterface._global_mapping`)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def register_attention(name: str, function: Callable, mask_like: str) -> None:
+    """Register `function` as the attention implementation `name` (idempotent), with the mask function of
+    `mask_like` ("sdpa" or "eager") under the same name, so HF builds exactly the mask that implementation gets."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    if name in AttentionInterface._global_mapping:
+        return
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, {"sdpa": sdpa_mask, "eager": eager_mask}[mask_like])
+
+
+def attention_implementation(model: torch.nn.Module) -> str | None:
+    """The attention implementation the model's text config dispatches to ("sdpa", "eager", a registered name)."""
+    return getattr(model.config.get_text_config(), "_attn_implementation", None)
+
+
+@contextlib.contextmanager
+def attention_implementation_set(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """Within the block, the model's text config dispatches to the registered implementation `name`."""
+    text_config = model.config.get_text_config()
+    base = text_config._attn_implementation
+    text_config._attn_implementation = name
+    try:
+        yield
+    finally:
+        text_config._attn_implementation = base

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 import trl
 from trl import GRPOTrainer
@@ -28,7 +29,11 @@ def _upstream_private_names() -> set[str]:
     for cls in classes:
         source = Path(inspect.getsourcefile(cls)).read_text()
         names |= set(re.findall(r"self\.(_[a-z]\w*)\s*=", source))
-    return names
+    return names | TRANSFORMERS_ATTENTION_PRIVATES
+
+
+# transformers' attention dispatch: what trl_compat.register_attention / attention_implementation_set touch
+TRANSFORMERS_ATTENTION_PRIVATES = {"_attn_implementation", "_global_mapping"}
 
 
 def _private_uses(path: Path) -> set[str]:
@@ -105,6 +110,32 @@ def test_no_module_but_trl_compat_touches_upstream_private_names():
         if foreign:
             offenders[str(path.relative_to(PACKAGE))] = sorted(foreign)
     assert not offenders, f"private TRL/transformers names used outside trl_compat.py: {offenders}"
+
+
+def test_the_attention_dispatch_names_still_exist_upstream(tiny_qwen2_path):
+    """The private names behind trl_compat's attention switch: registering a wrapper makes it dispatchable, and
+    setting the config's implementation inside the block routes the model's attention through it."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    assert hasattr(AttentionInterface, "_global_mapping")
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return sdpa_attention_forward(*args, **kwargs)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_path, attn_implementation="sdpa")
+    trl_compat.register_attention("rollplex_compat_probe", counting, mask_like="sdpa")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        with trl_compat.attention_implementation_set(model, "rollplex_compat_probe"):
+            assert trl_compat.attention_implementation(model) == "rollplex_compat_probe"
+            got = model(input_ids=ids).logits
+    assert trl_compat.attention_implementation(model) == "sdpa"
+    assert len(calls) == model.config.num_hidden_layers
+    assert torch.equal(got, expected)
 
 
 def test_no_module_but_trl_compat_imports_from_inside_trl():

@@ -30,11 +30,10 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from rollplex_trl import trl_compat
 from rollplex_trl.prefix.cascade import RowGroups, cascade_attention, group_rows
 
 logger = logging.getLogger(__name__)
@@ -217,11 +216,8 @@ def _make_attention(base: str):
 def register_attention() -> None:
     """Register the cascade wrappers (idempotent): attention under `rollplex_cascade_<base>`, and the base's own
     mask function under the same name so HF builds exactly the mask the base implementation gets."""
-    for base, mask in (("sdpa", sdpa_mask), ("eager", eager_mask)):
-        name = _NAME.format(base)
-        if name not in AttentionInterface._global_mapping:
-            AttentionInterface.register(name, _make_attention(base))
-            AttentionMaskInterface.register(name, mask)
+    for base in ("sdpa", "eager"):
+        trl_compat.register_attention(_NAME.format(base), _make_attention(base), mask_like=base)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -255,7 +251,7 @@ def unsupported_reason(causal_lm: nn.Module, generation_kwargs: dict) -> str | N
         return default if value is None else value
 
     text_config = causal_lm.config.get_text_config()
-    implementation = getattr(text_config, "_attn_implementation", None)
+    implementation = trl_compat.attention_implementation(causal_lm)
     attention = _attention_modules(causal_lm)
     if setting("num_beams", 1) > 1:
         return "beam search (num_beams > 1)"
@@ -281,16 +277,14 @@ def unsupported_reason(causal_lm: nn.Module, generation_kwargs: dict) -> str | N
 def decoding_with(causal_lm: nn.Module, cache: SharedPrefixCache) -> Iterator[None]:
     """Within the block, this thread's forwards of `causal_lm` with `cache` run cascade attention."""
     register_attention()
-    text_config = causal_lm.config.get_text_config()
-    base = text_config._attn_implementation
+    base = trl_compat.attention_implementation(causal_lm)
     previous = getattr(_ACTIVE, "cache", None)
-    text_config._attn_implementation = _NAME.format(base)
     _ACTIVE.cache = cache
     try:
-        yield
+        with trl_compat.attention_implementation_set(causal_lm, _NAME.format(base)):
+            yield
     finally:
         _ACTIVE.cache = previous
-        text_config._attn_implementation = base
 
 
 def expected_suffix_length(causal_lm: nn.Module, generation_kwargs: dict, prompt_width: int) -> int:

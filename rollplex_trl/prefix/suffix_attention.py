@@ -31,10 +31,9 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
-from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from rollplex_trl import trl_compat
 from rollplex_trl.prefix.cascade import RowGroups, causal_cascade_attention
 from rollplex_trl.prefix.shared_decode import base_attention
 
@@ -85,17 +84,14 @@ def _make_attention(base: str):
 
 def _register() -> None:
     """Register the wrappers (idempotent), each with its base's mask function, so HF builds the mask it would."""
-    for base, mask in (("sdpa", sdpa_mask), ("eager", eager_mask)):
-        name = _NAME.format(base)
-        if name not in AttentionInterface._global_mapping:
-            AttentionInterface.register(name, _make_attention(base))
-            AttentionMaskInterface.register(name, mask)
+    for base in ("sdpa", "eager"):
+        trl_compat.register_attention(_NAME.format(base), _make_attention(base), mask_like=base)
 
 
 def unsupported_reason(causal_lm: nn.Module, device: torch.device) -> str | None:
     """Why the cascade suffix cannot run this model exactly, or None if it can."""
     text_config = causal_lm.config.get_text_config()
-    implementation = getattr(text_config, "_attn_implementation", None)
+    implementation = trl_compat.attention_implementation(causal_lm)
     if device.type != "cpu":
         return f"device {device.type}: the fused kernels with log-sum-exp are wired for CPU only (not run on a GPU)"
     if implementation not in SUPPORTED_ATTENTION:
@@ -126,13 +122,9 @@ def suffix_attention_mode(mode: str, causal_lm: nn.Module, device: torch.device)
 def cascade_attention_switched(causal_lm: nn.Module) -> Iterator[None]:
     """Within the block, the text config's attention implementation is the cascade wrapper of its own."""
     _register()
-    text_config = causal_lm.config.get_text_config()
-    base = text_config._attn_implementation
+    base = trl_compat.attention_implementation(causal_lm)
     if base.startswith(_NAME.format("")):  # already switched (a checkpoint recompute inside the forward's block)
         yield
         return
-    text_config._attn_implementation = _NAME.format(base)
-    try:
+    with trl_compat.attention_implementation_set(causal_lm, _NAME.format(base)):
         yield
-    finally:
-        text_config._attn_implementation = base
