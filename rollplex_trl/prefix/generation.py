@@ -9,19 +9,25 @@ TRL's post-processing are unchanged.
 
 With `shared_decode` on (prefix/shared_decode.py) the cache is not expanded: the U prompts' K/V stay one copy per
 prompt, each row keeps only its own K/V, and attention merges the two parts exactly (cascade attention).
+
+`PrefillForActor`: where the actor's window prefix is due at these very weights and would be the same forward (the
+trainer decides: no autocast, no gradient checkpointing), the prefill keeps its autograd graph and is handed to the
+actor window, so the policy's prompt forward runs once per step instead of twice (no-grad prefill, then the actor's
+prefix job with its graph).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
 from rollplex_trl.data.prompt import PreparedPrompt
 from rollplex_trl.prefix import shared_decode as sd
-from rollplex_trl.prefix.batch import PromptGroups, group_by_prompt, run_prefix
+from rollplex_trl.prefix.batch import Precomputed, PromptGroups, group_by_prompt, run_prefix
 from rollplex_trl.prefix.forward import cache_kwarg, unwrap_model
 from rollplex_trl.prefix.state import PrefixState
 
@@ -29,13 +35,33 @@ _VISION_KWARGS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "vide
                   "mm_token_type_ids")
 
 
+@dataclass
+class PrefillForActor:
+    """Asks each `generate` call's prefill to keep its autograd graph for the actor window, and holds what it kept.
+
+    `wanted()` is asked before the prefill (the trainer's conditions: training, the actor prefix due in this window
+    at these weights, and the same forward as the actor's: no autocast, no gradient checkpointing). `state` is then
+    the prefill's prefix (graph-carrying K/V, vision tower included) for the call's unique prompts, grouped exactly
+    as `precompute_prefix` groups them; the trainer takes it once.
+    """
+
+    wanted: Callable[[], bool]
+    state: Precomputed | None = None
+
+    def take(self) -> Precomputed | None:
+        state, self.state = self.state, None
+        return state
+
+
 def _prefill_unique(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    rows: Sequence[PreparedPrompt] | None) -> tuple[PrefixState, PromptGroups]:
-    """K/V of prompt[:, :-1] for the unique prompts only, and which row continues which prompt."""
+                    rows: Sequence[PreparedPrompt] | None, *, keep_graph: bool = False
+                    ) -> tuple[PrefixState, PromptGroups]:
+    """K/V of prompt[:, :-1] for the unique prompts only, and which row continues which prompt. `keep_graph`: with
+    autograd on (inside TRL's no_grad) and the graph kept, for the actor window (`PrefillForActor`)."""
     groups = group_by_prompt(input_ids, attention_mask, rows)
     first = groups.first_row
     unique_rows = [rows[r] for r in first] if rows is not None else None
-    state = run_prefix(model, input_ids[first], attention_mask[first], unique_rows, keep_graph=False,
+    state = run_prefix(model, input_ids[first], attention_mask[first], unique_rows, keep_graph=keep_graph,
                        generate_positions=True)
     return state, groups
 
@@ -88,7 +114,7 @@ def _use_shared_decode(mode: str, causal_lm: torch.nn.Module, kwargs: dict, num_
 @contextlib.contextmanager
 def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None,
                    on_prefill=None, decode_window=None, shared_decode: str = "off",
-                   num_generations: int | None = None) -> Iterator[None]:
+                   num_generations: int | None = None, for_actor: PrefillForActor | None = None) -> Iterator[None]:
     """Inside the block, `model.generate(input_ids, attention_mask, ...)` prefills each unique prompt once.
 
     `rows` are the generation batch's prepared prompts (None for text-only prompts, grouped by their tokens).
@@ -96,12 +122,16 @@ def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None
     attention_mask)`, a context manager factory, wraps the decoding itself (the overlap runs prefix work inside it).
     `shared_decode` ("auto", "on", "off"): decode with the prompt's K/V held once per prompt (shared_decode.py)
     instead of copied to every row; "auto" decides by `num_generations` (G; the batch's rows per prompt if None).
+    `for_actor`: keep the prefill's graph for the actor window where `for_actor.wanted()` (the decode only reads it).
     """
     causal_lm = unwrap_model(model)
     original = causal_lm.generate  # the bound method (instance attribute lookups fall back to the class)
 
     def generate(input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
-        state, groups = _prefill_unique(causal_lm, input_ids, attention_mask, rows)
+        keep = for_actor is not None and for_actor.wanted()
+        state, groups = _prefill_unique(causal_lm, input_ids, attention_mask, rows, keep_graph=keep)
+        if keep:  # the decode below runs under no_grad: it reads these K/V without extending their graph
+            for_actor.state = Precomputed(keys=groups.keys, state=state)
         rows_per_prompt = num_generations or input_ids.size(0) // max(1, len(groups.first_row))
         shared = _use_shared_decode(shared_decode, causal_lm, kwargs, rows_per_prompt)
         width = input_ids.size(1)
@@ -112,7 +142,7 @@ def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None
             cache = _expanded_cache(state, groups, width)
         deltas = _rope_deltas(state, groups, attention_mask)
         unique = len(groups.first_row)
-        del state  # its K/V live on in the cache
+        del state  # its K/V live on in the cache (and in `for_actor.state`)
         for key in _VISION_KWARGS:  # all vision tokens are in the cache now: HF must not encode them again
             kwargs.pop(key, None)
         backbone = causal_lm.base_model

@@ -41,7 +41,7 @@ from rollplex_trl.prefix import suffix_logps, unwrap_model
 from rollplex_trl.prefix.actor import ActorWindow
 from rollplex_trl.prefix.batch import prepared_rows_logps, shared_prefix_logps
 from rollplex_trl.prefix.cost import SharingDecision
-from rollplex_trl.prefix.generation import shared_prefill
+from rollplex_trl.prefix.generation import PrefillForActor, shared_prefill
 from rollplex_trl.prefix.suffix_attention import suffix_attention_mode
 from rollplex_trl.rollout.trl_vllm import RollplexVLLMGeneration, VLLMRollout
 from rollplex_trl.trainers.checkpoint import (
@@ -113,6 +113,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
             **({"build_prefix": self.megatron.build_actor_prefix} if self.megatron is not None else {}),
         ) if self.support.share_actor else None
         self.overlap = self._build_overlap() if self.support.overlap_window else None
+        self._prefill_for_actor: PrefillForActor | None = None  # the rollout's prefill kept for the actor window
         self.timeline = self.overlap.timeline if self.overlap is not None else Timeline()
         generation = getattr(self, "vllm_generation", None)
         self.vllm_rollout = VLLMRollout(generation, trl_compat.pad_token_id(self), self.accelerator.device) if (
@@ -262,6 +263,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
 
         def window(input_ids: torch.Tensor, attention_mask: torch.Tensor):
             jobs = self._prefix_jobs().for_window(input_ids, attention_mask, rows, training=self.model.training)
+            if self._prefill_for_actor is not None and self._prefill_for_actor.state is not None:
+                jobs = [(name, job) for name, job in jobs if name != "actor"]  # the prefill already built it
             return self.overlap.window(jobs, weights, training=self.model.training)
 
         return window
@@ -349,6 +352,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
 
     def _rollout(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images):
         self._decide_sharing(prompt_ids)
+        self._prefill_for_actor = None  # a prefix kept by an earlier rollout never serves this one's window
         rows = self.batch.generation_rows
         if self.vllm_rollout is not None:
             (completion_ids, logprobs), step = self.vllm_rollout.generate(
@@ -367,9 +371,11 @@ class RollplexGRPOTrainer(GRPOTrainer):
         def log(rows_count: int, prompts: int) -> None:
             self._record("rollplex/prefill_rows_per_prompt", rows_count / max(1, prompts))
 
+        self._prefill_for_actor = PrefillForActor(wanted=self._actor_from_prefill)
         with shared_prefill(self.accelerator.unwrap_model(self.model), rows, on_prefill=log,
                             decode_window=self._decode_window(rows),
-                            shared_decode=self.rollplex["rollplex_shared_decode"], num_generations=num_generations):
+                            shared_decode=self.rollplex["rollplex_shared_decode"], num_generations=num_generations,
+                            for_actor=self._prefill_for_actor):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
 
@@ -399,10 +405,26 @@ class RollplexGRPOTrainer(GRPOTrainer):
             actor = window.prefix_for(
                 self._trained_model(model), inputs["prompt_ids"], inputs["prompt_mask"], rows,
                 window_index=self.state.global_step, window_prompts=self._window_prompts,
-                precomputed=lambda: self.overlap.take("actor") if self.overlap is not None else None)
+                precomputed=self._take_actor_prefix)
         with self.batch.scoring(rows, actor):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
+
+    def _actor_from_prefill(self) -> bool:
+        """Whether this rollout's shared prefill can be the actor window's prefix: the window is this generation's
+        (no optimizer step between them, so the weights are the same), the actor's prefix would be built from the
+        same forward (no autocast: TRL generates outside it; no gradient checkpointing: TRL generates without it,
+        so the graph would hold every activation the checkpointed actor prefix recomputes; no phase memory, whose
+        activation offload wraps the actor's prefix job), and the policy is the transformers model that decodes."""
+        return (self.model.training and self.actor_window is not None and self.megatron is None
+                and self.phase_memory is None and self.accelerator.mixed_precision == "no"
+                and not self.args.gradient_checkpointing and self._policy_prefix_jobs().actor)
+
+    def _take_actor_prefix(self):
+        """The actor window's precomputed prefix: the rollout's prefill kept for it, else the decode window's job."""
+        kept = self._prefill_for_actor.take() if self._prefill_for_actor is not None else None
+        job = self.overlap.take("actor") if self.overlap is not None else None
+        return kept if kept is not None else job
 
     def _window_prompts(self):
         """The prompts of the micro-batches of this accumulation window that the current generation buffer serves
