@@ -93,7 +93,8 @@ def _generate(model, inputs, rows, mode: str, C: int, caches: list | None = None
 
     generation._expanded_cache, generation._shared_cache = keep(originals[0]), keep(originals[1])
     try:
-        with torch.no_grad(), generation.shared_prefill(model, rows, shared_decode=mode):
+        with torch.no_grad(), generation.shared_prefill(model, rows, shared_decode="on" if mode == "compiled" else mode,
+                                                        compile_decode="on" if mode == "compiled" else "off"):
             return model.generate(**inputs, generation_config=config)
     finally:
         generation._expanded_cache, generation._shared_cache = originals
@@ -110,14 +111,15 @@ def _step_fn(model, inputs, rows, mode: str, t: int):
     The cache is brought there quickly: `generate` for one token (the shared prefill, then the last prompt token),
     then the other t - 1 tokens (random ids: the cost does not depend on them) in one forward through the same
     cache and attention, at the positions `generate` would give them."""
-    from rollplex_trl.prefix import shared_decode
+    from rollplex_trl.prefix import compiled_decode, shared_decode
     from rollplex_trl.prefix.forward import cache_kwarg
 
     caches: list = []
-    out = _generate(model, inputs, rows, mode, 1, caches)
+    out = _generate(model, inputs, rows, "on" if mode == "compiled" else mode, 1, caches)
     cache, backbone = caches[-1], model.base_model
     deltas = backbone.rope_deltas  # generate's M-RoPE deltas for these rows (shared_prefill sets them)
-    switch = (lambda: shared_decode.decoding_with(model, cache)) if mode == "on" else contextlib.nullcontext
+    switch = (lambda: shared_decode.decoding_with(model, cache)) if mode in ("on", "compiled") \
+        else contextlib.nullcontext
     gen = torch.Generator().manual_seed(0)
     filler = torch.randint(100, 500, (out.size(0), t), generator=gen).to(out.device)
     ids = torch.cat([out, filler], dim=1)
@@ -139,32 +141,46 @@ def _step_fn(model, inputs, rows, mode: str, t: int):
         forward(ids[:, P: P + t - 1], P + t - 1)
 
     def step() -> None:
-        forward(ids[:, P + t - 1: P + t], P + t)
+        if mode == "compiled":  # only the timed one-token step runs compiled (as in generate)
+            with compiled_decode.compiled_decoding(model, shared_decode.decoding_on_this_thread):
+                forward(ids[:, P + t - 1: P + t], P + t)
+        else:
+            forward(ids[:, P + t - 1: P + t], P + t)
         cache.crop(-1)
 
     return step
 
 
-def _measure(model, inputs, rows, C: int, repeats: int, steps: int) -> dict[str, dict]:
+def _measure(model, inputs, rows, C: int, repeats: int, steps: int, compiled: bool = False) -> dict[str, dict]:
     """Both paths, alternating (a machine shared with other jobs then loads both alike). repeats = 0: single steps
-    only (no whole generate: no token comparison, K/V bytes from the shapes)."""
+    only (no whole generate: no token comparison, K/V bytes from the shapes). `compiled`: also the shared path's
+    decode step through the compiled forward (prefix/compiled_decode.py), single steps only, after a warm-up
+    whose time (the compile, the first time) is reported as `first_steps_s`."""
     device = inputs["input_ids"].device
     result = {}
-    for mode in ("off", "on"):
+    modes = ("off", "on", "compiled") if compiled else ("off", "on")
+    for mode in modes:
         result[mode] = {"generate": [], "step": [], "step_cpu": []}
         if repeats:
             caches: list = []
+            start = time.perf_counter()
             result[mode]["tokens"] = _generate(model, inputs, rows, mode, C, caches)  # warm-up, tokens, cache size
+            result[mode]["first_generate_s"] = time.perf_counter() - start  # compiled: includes the compile
             result[mode]["kv_bytes"] = _cache_bytes(caches[-1])
     for _ in range(repeats):
-        for mode in ("off", "on"):
+        for mode in modes:
             start = time.perf_counter()
             _generate(model, inputs, rows, mode, C)
             _sync(device)
             result[mode]["generate"].append(time.perf_counter() - start)
-    step = {mode: _step_fn(model, inputs, rows, mode, max(1, C // 2)) for mode in ("off", "on")}
+    step = {mode: _step_fn(model, inputs, rows, mode, max(1, C // 2)) for mode in modes}
+    if compiled:
+        start = time.perf_counter()
+        for _ in range(3):  # compiles (the first shape, then the dynamic graph) or reuses the graphs
+            step["compiled"]()
+        result["compiled"]["first_steps_s"] = time.perf_counter() - start
     for _ in range(steps):
-        for mode in ("off", "on"):
+        for mode in modes:
             _sync(device)
             start, start_cpu = time.perf_counter(), time.process_time()
             step[mode]()
@@ -220,6 +236,8 @@ def main() -> None:
     parser.add_argument("--max-completion", type=int, default=None, help="cap C (CPU time)")
     parser.add_argument("--quick", action="store_true",
                         help="single steps only (20 per path, no whole generate), 4 frames (P ~ 190)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time the shared path's decode step compiled (rollplex_compile_decode='on')")
     parser.add_argument("--out", default="benchmarks/results/shared_decode.json")
     args = parser.parse_args()
     if args.quick:
@@ -247,11 +265,12 @@ def main() -> None:
         for G in args.generations:
             inputs, rows = _inputs(prompts, G, processor.tokenizer.pad_token_id)
             inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-            measured = _measure(model, inputs, rows, C, args.repeats, args.steps)
+            measured = _measure(model, inputs, rows, C, args.repeats, args.steps, compiled=args.compile)
             off, on = measured["off"], measured["on"]
             U = args.prompts
             if args.repeats:
-                same = bool(torch.equal(off.pop("tokens"), on.pop("tokens")))
+                tokens = {mode: r.pop("tokens") for mode, r in measured.items()}
+                same = all(bool(torch.equal(tokens["off"], t)) for t in tokens.values())
             else:
                 same = None
                 off["kv_bytes"], on["kv_bytes"] = _kv_bytes_from_shapes(model, inputs, G, U, C)
@@ -260,12 +279,23 @@ def main() -> None:
                    "decode_speedup_cpu_time": off["decode_step_cpu_s"] / on["decode_step_cpu_s"],
                    "kv_bytes_per_group_expanded": off["kv_bytes"] / U, "kv_bytes_per_group_shared": on["kv_bytes"] / U,
                    "kv_ratio": on["kv_bytes"] / off["kv_bytes"], "kv_ratio_ideal": (P + G * C) / (G * (P + C))}
+            if args.compile:
+                row["compiled"] = measured["compiled"]
+                row["decode_speedup_compiled"] = off["decode_step_s"] / measured["compiled"]["decode_step_s"]
             results.append(row)
             _write(args.out, args, results)
             print(f"G={G:>2} P={P} C={C:>4} share={row['prompt_share']:.0%}  decode/step "
                   f"{off['decode_step_s'] * 1e3:.1f}/{on['decode_step_s'] * 1e3:.1f} ms "
                   f"({row['decode_speedup']:.2f}x; CPU time {row['decode_speedup_cpu_time']:.2f}x)  "
                   f"K/V {row['kv_ratio']:.2f} (ideal {row['kv_ratio_ideal']:.2f})  same tokens: {same}", flush=True)
+            if args.compile:
+                c = measured["compiled"]
+                generate = "" if c["generate_s"] is None else (
+                    f"; generate {off['generate_s']:.2f}/{on['generate_s']:.2f}/{c['generate_s']:.2f} s "
+                    f"(first compiled call {c['first_generate_s']:.1f} s)")
+                print(f"      compiled: decode/step {c['decode_step_s'] * 1e3:.1f} ms "
+                      f"({row['decode_speedup_compiled']:.2f}x of expanded; warm-up {c['first_steps_s']:.1f} s)"
+                      f"{generate}", flush=True)
 
     out = _write(args.out, args, results)
     print()

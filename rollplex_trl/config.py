@@ -41,6 +41,9 @@ class RollplexGRPOConfig(GRPOConfig):
             float rounding. `"auto"`: on from `num_generations >= 8` (where the benchmark shows it pays), wherever it
             applies (sdpa/eager attention, no beam search), else off with the reason logged once; `"on"`: error
             where it cannot apply; `"off"`: the prompt's K/V copied to every row (docs/shared-prefix.md).
+        rollplex_compile_decode (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): with shared-prefix decoding,
+            run each decode step's text-decoder forward through `torch.compile`; `"auto"` is off (the compile takes
+            minutes on CPU; never run on CUDA).
 
     Parameters that control memory:
         rollplex_memory (`"auto"`, `"on"` or `"off"`, defaults to `"off"`): move memory at every phase boundary (the
@@ -129,6 +132,17 @@ class RollplexGRPOConfig(GRPOConfig):
             "(cascade attention, exact merge) instead of G copies. 'auto': on from num_generations >= 8 (where it "
             "was measured to pay) wherever it applies (sdpa/eager attention, no beam search), else off with the "
             "reason logged once; 'on': error where it cannot apply; 'off': the prompt's K/V copied to every row.",
+            "choices": ["auto", "on", "off"],
+        },
+    )
+    rollplex_compile_decode: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata={
+            "help": "Transformers rollout with shared-prefix decoding: run each decode step's text-decoder forward "
+            "through torch.compile (dynamic shapes: one graph for every step; same operations, inductor may round "
+            "the last bit differently). 'auto': off (measured on CPU: minutes of compile per process, paid back "
+            "only by long runs; never run on CUDA); 'on': compile (error where shared-prefix decoding does not "
+            "run); 'off': the model's own forward.",
             "choices": ["auto", "on", "off"],
         },
     )

@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from rollplex_trl.data.prompt import PreparedPrompt
+from rollplex_trl.prefix import compiled_decode
 from rollplex_trl.prefix import shared_decode as sd
 from rollplex_trl.prefix.batch import Precomputed, PromptGroups, group_by_prompt, run_prefix
 from rollplex_trl.prefix.forward import cache_kwarg, unwrap_model
@@ -114,7 +115,8 @@ def _use_shared_decode(mode: str, causal_lm: torch.nn.Module, kwargs: dict, num_
 @contextlib.contextmanager
 def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None,
                    on_prefill=None, decode_window=None, shared_decode: str = "off",
-                   num_generations: int | None = None, for_actor: PrefillForActor | None = None) -> Iterator[None]:
+                   num_generations: int | None = None, for_actor: PrefillForActor | None = None,
+                   compile_decode: str = "off") -> Iterator[None]:
     """Inside the block, `model.generate(input_ids, attention_mask, ...)` prefills each unique prompt once.
 
     `rows` are the generation batch's prepared prompts (None for text-only prompts, grouped by their tokens).
@@ -123,6 +125,8 @@ def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None
     `shared_decode` ("auto", "on", "off"): decode with the prompt's K/V held once per prompt (shared_decode.py)
     instead of copied to every row; "auto" decides by `num_generations` (G; the batch's rows per prompt if None).
     `for_actor`: keep the prefill's graph for the actor window where `for_actor.wanted()` (the decode only reads it).
+    `compile_decode` ("auto", "on", "off"): shared-prefix decode steps through a compiled forward
+    (prefix/compiled_decode.py).
     """
     causal_lm = unwrap_model(model)
     original = causal_lm.generate  # the bound method (instance attribute lookups fall back to the class)
@@ -134,6 +138,7 @@ def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None
             for_actor.state = Precomputed(keys=groups.keys, state=state)
         rows_per_prompt = num_generations or input_ids.size(0) // max(1, len(groups.first_row))
         shared = _use_shared_decode(shared_decode, causal_lm, kwargs, rows_per_prompt)
+        compiled = compiled_decode.use_compiled_decode(compile_decode, shared)
         width = input_ids.size(1)
         if shared:
             capacity = sd.expected_suffix_length(causal_lm, kwargs, width)
@@ -152,7 +157,9 @@ def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None
             on_prefill(input_ids.size(0), unique)
         window = decode_window(input_ids, attention_mask) if decode_window is not None else contextlib.nullcontext()
         decoding = sd.decoding_with(causal_lm, cache) if shared else contextlib.nullcontext()
-        with window, decoding:
+        step = (compiled_decode.compiled_decoding(causal_lm, sd.decoding_on_this_thread) if compiled
+                else contextlib.nullcontext())
+        with window, decoding, step:
             output = original(input_ids=input_ids, attention_mask=attention_mask, **{cache_kwarg(causal_lm): cache},
                               **kwargs)
         if shared:

@@ -76,11 +76,14 @@ class SharedPrefixLayer(CacheLayerMixin):
         self.device = prefix_k.device
         self.is_initialized = True
         self.served: tuple[torch.Tensor, torch.Tensor] | None = None  # what the last update returned
+        # The suffix buffers, allocated now rather than at the first update: every decode step then runs the same
+        # code (a compiled decode step, prefix/compiled_decode.py, needs no separate graph for the first one)
+        R = row_to_prompt.numel()
+        self.keys = prefix_k.new_empty(R, prefix_k.size(1), self.capacity, prefix_k.size(-1))
+        self.values = prefix_v.new_empty(R, prefix_v.size(1), self.capacity, prefix_v.size(-1))
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        R, Hkv, _, D = key_states.shape
-        self.keys = key_states.new_empty(R, Hkv, self.capacity, D)
-        self.values = value_states.new_empty(R, Hkv, self.capacity, value_states.size(-1))
+        raise AssertionError("SharedPrefixLayer allocates its suffix buffers at construction")
 
     def _grow(self, needed: int) -> None:
         # Only if generate runs past the expected length (a caller's max_length above max_new_tokens): double
@@ -93,8 +96,11 @@ class SharedPrefixLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys is None:
-            self.lazy_initialization(key_states, value_states)
+        if key_states.dtype != self.keys.dtype:
+            # the prompt's K/V were computed in another dtype than the decode's (a changed autocast): refuse
+            # rather than round the completion's K/V to the prompt's dtype
+            raise RuntimeError(f"shared-prefix decoding: decode K/V in {key_states.dtype}, the prompt's in "
+                               f"{self.keys.dtype}; set rollplex_shared_decode='off'")
         n = key_states.size(-2)
         if self.length + n > self.capacity:
             self._grow(self.length + n)
@@ -121,7 +127,7 @@ class SharedPrefixLayer(CacheLayerMixin):
 
     def kv_bytes(self) -> int:
         """Bytes held: the prompt K/V once per prompt, plus the suffix buffers."""
-        tensors = [self.prefix_k, self.prefix_v] + ([self.keys, self.values] if self.keys is not None else [])
+        tensors = [self.prefix_k, self.prefix_v, self.keys, self.values]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -271,6 +277,11 @@ def unsupported_reason(causal_lm: nn.Module, generation_kwargs: dict) -> str | N
     if causal_lm.training and getattr(text_config, "attention_dropout", 0.0):
         return "attention dropout in training mode"
     return None
+
+
+def decoding_on_this_thread() -> bool:
+    """Whether this thread is inside `decoding_with` (its forwards decode with a shared-prefix cache)."""
+    return getattr(_ACTIVE, "cache", None) is not None
 
 
 @contextlib.contextmanager
