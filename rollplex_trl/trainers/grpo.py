@@ -250,16 +250,22 @@ class RollplexGRPOTrainer(GRPOTrainer):
         window_is_generation = (self.args.steps_per_generation == self.args.gradient_accumulation_steps
                                 and self.num_iterations == 1)
         ref = self.accelerator.unwrap_model(self.ref_model) if self.beta != 0.0 and self.ref_model is not None else None
+        backend = {}
+        if self.megatron is not None:  # the Megatron models, built by its passes (a collective over the TP group)
+            policy, ref = self.megatron.policy, (self.megatron.ref if ref is not None else None)
+            backend["precompute"] = functools.partial(self.megatron.precompute_prefix, training=self.model.training)
         # PEFT: the old pass would run the policy while its adapters are toggled for the reference (module state)
         return PrefixJobs(policy=policy, ref_model=ref, old=needs_old and not is_peft,
                           actor=self.support.share_actor and window_is_generation, autocast=self.accelerator.autocast,
-                          prompts_per_chunk=self.rollplex["rollplex_prefix_chunk_prompts"])
+                          prompts_per_chunk=self.rollplex["rollplex_prefix_chunk_prompts"], **backend)
 
     def _decode_window(self, rows: list[PreparedPrompt] | None):
         """The decode-window context for `shared_prefill` / the vLLM rollout, or None without an overlap schedule."""
         if self.overlap is None:
             return None
         weights = [*self.model.parameters(), *(self.ref_model.parameters() if self.ref_model is not None else [])]
+        if self.megatron is not None:  # what the Megatron passes of the window read (the shards, the vision copy)
+            weights += [p for _, p in self.megatron.trainable()]
 
         def window(input_ids: torch.Tensor, attention_mask: torch.Tensor):
             jobs = self._prefix_jobs().for_window(input_ids, attention_mask, rows, training=self.model.training)
@@ -375,7 +381,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
         with shared_prefill(self.accelerator.unwrap_model(self.model), rows, on_prefill=log,
                             decode_window=self._decode_window(rows),
                             shared_decode=self.rollplex["rollplex_shared_decode"], num_generations=num_generations,
-                            for_actor=self._prefill_for_actor):
+                            for_actor=self._prefill_for_actor,
+                            compile_decode=self.rollplex["rollplex_compile_decode"]):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
 
@@ -469,12 +476,15 @@ class RollplexGRPOTrainer(GRPOTrainer):
         self._decide_sharing_from_mask(input_ids[:, :P], attention_mask[:, :P])  # a custom rollout_func's batch
         if self.megatron is not None:  # the other passes (reference, old, actor outside a window) on Megatron
             share = self.support.share_scoring and self._shareable(rows, vision_kwargs)
+            precomputed = None
+            if share and not torch.is_grad_enabled() and self.overlap is not None:  # built in the decode window
+                precomputed = self.overlap.take("ref" if model is self.ref_model else "old")
             logps, entropies, num_prompts = self.megatron.logps_and_entropies(
                 reference=model is self.ref_model, input_ids=input_ids, attention_mask=attention_mask,
                 logits_to_keep=logits_to_keep, batch_size=batch_size, temperature=self.temperature,
                 compute_entropy=compute_entropy, rows=rows, vision_kwargs=vision_kwargs,
                 autocast=self.accelerator.autocast, training=self.model.training, share_prefix=share,
-                prompts_per_chunk=self.rollplex["rollplex_prefix_chunk_prompts"])
+                prompts_per_chunk=self.rollplex["rollplex_prefix_chunk_prompts"], precomputed=precomputed)
             if num_prompts is not None:
                 self._log_prefix_use(input_ids.size(0), num_prompts)
             return logps, entropies, None

@@ -275,16 +275,29 @@ class MegatronBackend:
         return megatron_suffix_logps(policy, state, row_to_prompt, completion_ids, completion_mask,
                                      temperature=temperature, compute_entropy=compute_entropy)
 
+    def precompute_prefix(self, model, prompt_ids, prompt_mask, rows, *, keep_graph: bool, prompts_per_chunk: int,
+                          training: bool):
+        """The decode window's prefix job on this backend (overlap/schedule.py `PrefixJobs.precompute`): the
+        states the scoring passes (`precomputed`) and the actor window take, built as those passes would build
+        them (the same train/eval mode as `logps_and_entropies`: the reference in eval, the policy as the
+        trainer). A collective over the TP group: every rank runs the same jobs in the same order."""
+        from rollplex_trl.backends.megatron.prefix import megatron_precompute_prefix
+
+        model.train(training and model is not self.ref)
+        return megatron_precompute_prefix(model, prompt_ids, prompt_mask, rows, keep_graph=keep_graph,
+                                          prompts_per_chunk=prompts_per_chunk)
+
     # ---- log-probs ----------------------------------------------------------------------------------------------
 
     def logps_and_entropies(self, *, reference: bool, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                             logits_to_keep: int, batch_size: int | None, temperature: float, compute_entropy: bool,
                             rows: Sequence[PreparedPrompt] | None, vision_kwargs: dict[str, Any],
                             autocast: Callable[[], Any], training: bool, share_prefix: bool = False,
-                            prompts_per_chunk: int = 8):
+                            prompts_per_chunk: int = 8, precomputed: Any = None):
         """TRL's `_get_per_token_logps_and_entropies` on the Megatron model: with `share_prefix`, each unique
         prompt's prefix once and the completions against its K/V (backends/megatron/prefix.py; exact, gradients
-        included), else the full rows chunked like TRL's. Returns (log-probs, entropies, unique prompts or None)."""
+        included), else the full rows chunked like TRL's. `precomputed`: the prefix states the decode window built
+        for these prompts (`precompute_prefix`). Returns (log-probs, entropies, unique prompts or None)."""
         model = self.ref if reference else self.policy
         if model is None:
             raise RuntimeError("internal error: reference log-probs requested without a reference model")
@@ -295,7 +308,7 @@ class MegatronBackend:
             with autocast():
                 return megatron_shared_prefix_logps(model, input_ids, attention_mask, logits_to_keep, rows,
                                                     temperature=temperature, compute_entropy=compute_entropy,
-                                                    prompts_per_chunk=prompts_per_chunk)
+                                                    prompts_per_chunk=prompts_per_chunk, precomputed=precomputed)
         batch_size = batch_size or input_ids.size(0)
         prompt_length = input_ids.size(1) - logits_to_keep
         all_logps, all_entropies = [], []

@@ -69,8 +69,6 @@ def decide_support(*, options: dict[str, Any], model_type: str | None, aux_loss:
         no_window.append("the shared prefix is off")
     if continuous_batching:
         no_window.append("transformers' continuous batching has no decode window to run prefix work in")
-    if megatron and share:
-        no_window.append("the prefix jobs of the decode window are not built for the Megatron backend yet")
     if no_window and overlap_mode != "off":
         message = f"rollplex_overlap: off: {'; '.join(no_window)}"
         if overlap_mode == "on":

@@ -64,11 +64,20 @@ def _weights_close(a: Path, b: Path, rel: float) -> None:
         assert diff <= rel * max(1.0, wb[name].abs().max().item()), (name, diff)
 
 
+def _without_timings(logs: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "rollplex/prefix_s"} for r in logs]
+
+
 def test_tensor_parallel_2_learns_what_hf_learns(tiny_vl_path, tmp_path):
+    """With the overlap on: the reference and actor prefix jobs run on Megatron (TP collectives) in the worker
+    thread while the rollout decodes; the scoring passes and the actor window take their states."""
     reference = _in_process(tiny_vl_path, tmp_path, "hf1")
-    ranks = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "tp2")
+    ranks = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "tp2", "overlap")
     assert all(r["world"] == 2 for r in ranks)
-    assert ranks[0]["logs"] == ranks[1]["logs"]  # one TP group: every rank logs the same numbers
+    # one TP group: every rank logs the same numbers
+    assert _without_timings(ranks[0]["logs"]) == _without_timings(ranks[1]["logs"])
+    generation_steps = [r for r in ranks[0]["logs"] if "rollplex/overlap_active" in r]
+    assert generation_steps and all(r["rollplex/overlap_active"] == 1 for r in generation_steps)
     _close(ranks[0]["logs"], reference["logs"], 1e-4)
     _weights_close(tmp_path / "tp2-rank0-weights.pt", tmp_path / "hf1-rank0-weights.pt", 1e-4)
     _weights_close(tmp_path / "tp2-rank1-weights.pt", tmp_path / "tp2-rank0-weights.pt", 0.0)
@@ -81,6 +90,10 @@ def test_data_parallel_2_learns_what_hf_ddp_learns(tiny_vl_path, tmp_path):
     ranks = _torchrun(tiny_vl_path, tmp_path, "megatron", 1, "dp2")
     _close(ranks[0]["logs"], reference[0]["logs"], 1e-4)
     _close(ranks[1]["logs"], ranks[0]["logs"], 0.0)
+    # the serial schedule ("auto" on CPU): the Megatron prefix jobs ran right after decoding
+    generation_steps = [r for r in ranks[0]["logs"] if "rollplex/prefix_s" in r]
+    assert generation_steps and all(r["rollplex/prefix_s"] > 0 and r["rollplex/overlap_active"] == 0
+                                    for r in generation_steps)
     _weights_close(tmp_path / "dp2-rank0-weights.pt", tmp_path / "hfddp-rank0-weights.pt", 1e-4)
     _weights_close(tmp_path / "dp2-rank1-weights.pt", tmp_path / "dp2-rank0-weights.pt", 0.0)
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = "") -> dict:
     """mode: "" (fp32), "bf16" (TRL's defaults: bf16 autocast + gradient checkpointing), "save" (checkpoint at
-    step 2, output_dir run-<tag>), "resume:<tag>" (resume from a copy of run-<tag>'s checkpoint-2)."""
+    step 2, output_dir run-<tag>), "resume:<tag>" (resume from a copy of run-<tag>'s checkpoint-2), "overlap"
+    (fp32, rollplex_overlap="on": the prefix jobs run in a worker thread while the rollout decodes)."""
     sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..")]
     import torch
     from datasets import Dataset
@@ -40,7 +41,7 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         report_to=[], seed=5, use_cpu=True, bf16=bf16, gradient_checkpointing=bf16,
         save_strategy="steps" if mode == "save" else "no", save_steps=2,
         ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None, rollplex_backend=backend,
-        rollplex_tensor_parallel_size=tp,
+        rollplex_tensor_parallel_size=tp, rollplex_overlap="on" if mode == "overlap" else "auto",
         # the hf backend's suffix with the prompt's K/V concatenated, as the Megatron backend's core attention does:
         # under bf16 the two backends then round the same sums alike (cascade's kernels round differently: bf16 step
         # 2 loss 2% apart instead of 5e-3; cascade itself is tested against the full forward in tests/prefix/)
@@ -63,7 +64,8 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     torch.save(weights, Path(out) / f"{tag}-rank{rank}-weights.pt")
     keys = ("loss", "kl", "grad_norm", "reward", "entropy")
     result = {"world": trainer.accelerator.num_processes,
-              "logs": [{k: r.get(k) for k in keys} | {m: v for m, v in r.items() if m.startswith("rollplex/sync")}
+              "logs": [{k: r.get(k) for k in keys} | {m: v for m, v in r.items() if m.startswith(
+                  ("rollplex/sync", "rollplex/overlap_active", "rollplex/prefix_s"))}
                        for r in trainer.state.log_history if "loss" in r],
               "steps": [r["step"] for r in trainer.state.log_history if "loss" in r]}
     Path(out, f"{tag}-rank{rank}.json").write_text(json.dumps(result))
