@@ -17,7 +17,12 @@ G rows: today's path) and `"on"` (the prompt's K/V held once, cascade attention)
 
 The prompt share P / (P + C) is set through C (generation forced to exactly C tokens with min_new_tokens).
 
-Usage:  .venv/bin/python benchmarks/bench_shared_decode.py [--quick] [--out benchmarks/results/shared_decode.json]
+`--compile` adds the shared path's decode step through the compiled forward (`rollplex_compile_decode="on"`, with
+its warm-up time: the compile); `--whole-step N` trains N video steps with shared-prefix decoding off and on,
+alternating, and reports the whole step and the rollout's decode time (TRL's `step_time`, `rollplex/decode_s`).
+
+Usage:  .venv/bin/python benchmarks/bench_shared_decode.py [--quick] [--compile] [--whole-step 4]
+            [--out benchmarks/results/shared_decode.json]
 """
 
 from __future__ import annotations
@@ -208,6 +213,52 @@ def _kv_bytes_from_shapes(model, inputs, G: int, U: int, C: int) -> tuple[int, i
     return expanded, shared
 
 
+def _whole_step(model_path, G: int, C: int, args, mode: str, tmp: Path, index: int) -> dict:
+    """One short training run (video, the synthetic task at --frames x --size) with shared-prefix decoding `mode`:
+    the median step time and rollout decode time over its steps after the first."""
+    from bench_shared_prefix import _dataset
+
+    from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
+    from rollplex_trl.data import accuracy_reward, format_reward
+
+    steps = args.whole_step
+    dataset = _dataset(tmp / f"data-{G}-{C}", num_prompts=max(8, args.prompts * steps), frames=args.frames,
+                       size=args.size)
+    config = RollplexGRPOConfig(
+        output_dir=str(tmp / f"out-{G}-{C}-{mode}-{index}"), max_steps=steps,
+        per_device_train_batch_size=G * args.prompts, num_generations=G, max_completion_length=C,
+        generation_kwargs={"min_new_tokens": C}, beta=0.04,
+        learning_rate=1e-6, logging_steps=1, report_to=[], save_strategy="no", seed=0,
+        use_cpu=not torch.cuda.is_available(), bf16=False, gradient_checkpointing=True, rollplex_shared_decode=mode,
+        rollplex_video_max_frames=args.frames, rollplex_video_min_pixels=28 * 28 * 4,
+        rollplex_video_max_pixels=args.size * args.size, rollplex_prefix_chunk_prompts=args.prompts)
+    trainer = RollplexGRPOTrainer(model=str(model_path), reward_funcs=[accuracy_reward, format_reward], args=config,
+                                  train_dataset=dataset)
+    trainer.train()
+    logs = trainer.state.log_history
+    step_times = [r["step_time"] for r in logs if "step_time" in r][1:]  # the first step warms up
+    decode = [r["rollplex/decode_s"] for r in logs if "rollplex/decode_s" in r][1:]
+    return {"step_s": statistics.median(step_times), "decode_s": statistics.median(decode) if decode else None,
+            "prompt_tokens": max(r.get("num_tokens", 0) for r in logs) / steps / (G * args.prompts) - C}
+
+
+def _whole_steps(model_path, G: int, C: int, args) -> dict:
+    """Off and on alternating, --repeats runs each (at least 1): medians over the runs."""
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="rollplex-bench-decode-"))
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    for index in range(max(1, args.repeats)):
+        for mode in ("off", "on"):
+            torch.manual_seed(0)
+            runs[mode].append(_whole_step(model_path, G, C, args, mode, tmp, index))
+    out = {mode: {"step_s": statistics.median(r["step_s"] for r in rs),
+                  "decode_s": statistics.median(r["decode_s"] for r in rs), "runs": rs} for mode, rs in runs.items()}
+    out["step_speedup"] = out["off"]["step_s"] / out["on"]["step_s"]
+    out["decode_speedup"] = out["off"]["decode_s"] / out["on"]["decode_s"]
+    return out
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -236,6 +287,9 @@ def main() -> None:
     parser.add_argument("--max-completion", type=int, default=None, help="cap C (CPU time)")
     parser.add_argument("--quick", action="store_true",
                         help="single steps only (20 per path, no whole generate), 4 frames (P ~ 190)")
+    parser.add_argument("--whole-step", type=int, default=0, metavar="STEPS",
+                        help="also train STEPS steps (video, the synthetic task) with shared-prefix decoding off and "
+                        "on, alternating (--repeats runs each), and report the whole step and the rollout's decode")
     parser.add_argument("--compile", action="store_true",
                         help="also time the shared path's decode step compiled (rollplex_compile_decode='on')")
     parser.add_argument("--out", default="benchmarks/results/shared_decode.json")
@@ -279,6 +333,12 @@ def main() -> None:
                    "decode_speedup_cpu_time": off["decode_step_cpu_s"] / on["decode_step_cpu_s"],
                    "kv_bytes_per_group_expanded": off["kv_bytes"] / U, "kv_bytes_per_group_shared": on["kv_bytes"] / U,
                    "kv_ratio": on["kv_bytes"] / off["kv_bytes"], "kv_ratio_ideal": (P + G * C) / (G * (P + C))}
+            if args.whole_step:
+                row["whole_step"] = _whole_steps(path, G, C, args)
+                w = row["whole_step"]
+                print(f"      whole step off/on {w['off']['step_s']:.2f}/{w['on']['step_s']:.2f} s "
+                      f"({w['step_speedup']:.2f}x), rollout decode {w['off']['decode_s']:.2f}/"
+                      f"{w['on']['decode_s']:.2f} s ({w['decode_speedup']:.2f}x)", flush=True)
             if args.compile:
                 row["compiled"] = measured["compiled"]
                 row["decode_speedup_compiled"] = off["decode_step_s"] / measured["compiled"]["decode_step_s"]
