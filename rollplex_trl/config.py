@@ -288,6 +288,7 @@ _RULES: dict[str, _Rule] = {
     "rollplex_share_prefix": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
     "rollplex_overlap": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
     "rollplex_shared_decode": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
+    "rollplex_compile_decode": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
     "rollplex_prefix_chunk_prompts": _Rule("int", "an integer >= 1", lambda v: v >= 1),
     "rollplex_suffix_attention": _Rule("choice", "'auto', 'cascade' or 'concat'",
                                        choices=("auto", "cascade", "concat")),

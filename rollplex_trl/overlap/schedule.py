@@ -55,21 +55,24 @@ class PrefixJobs:
     actor: bool  # the actor's prefix is built in the window (one generation batch == one accumulation window)
     autocast: Callable[[], contextlib.AbstractContextManager]
     prompts_per_chunk: int
-    # how a model's prefix states are built: the transformers passes, or the Megatron backend's (same signature)
-    precompute: Callable[..., Precomputed] = precompute_prefix
+    # how a model's prefix states are built: None for the transformers passes (`precompute_prefix`, looked up when
+    # the job runs), or the Megatron backend's (same signature)
+    precompute: Callable[..., Precomputed] | None = None
 
     def for_window(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows, training: bool) -> Jobs:
+        precompute = self.precompute or precompute_prefix
+
         def scoring(model: torch.nn.Module) -> Callable[[], Precomputed]:
             def run() -> Precomputed:
                 with torch.no_grad(), self.autocast():
-                    return self.precompute(model, input_ids, attention_mask, rows, keep_graph=False,
-                                           prompts_per_chunk=self.prompts_per_chunk)
+                    return precompute(model, input_ids, attention_mask, rows, keep_graph=False,
+                                      prompts_per_chunk=self.prompts_per_chunk)
             return run
 
         def actor() -> Precomputed:
             with torch.enable_grad(), self.autocast():
-                return self.precompute(self.policy, input_ids, attention_mask, rows, keep_graph=True,
-                                       prompts_per_chunk=input_ids.size(0))
+                return precompute(self.policy, input_ids, attention_mask, rows, keep_graph=True,
+                                  prompts_per_chunk=input_ids.size(0))
 
         jobs: Jobs = []
         if self.ref_model is not None:

@@ -132,7 +132,7 @@ def test_tensor_parallel_2_under_trl_defaults_bf16(tiny_vl_path, tmp_path):
 
     reference = trainer_worker.run(str(tiny_vl_path), str(tmp_path), "hf", 1, "hfbf", "bf16")["logs"]
     ranks = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "mgbf", "bf16")
-    assert ranks[0]["logs"] == ranks[1]["logs"]
+    assert _without_timings(ranks[0]["logs"]) == _without_timings(ranks[1]["logs"])
     ours = ranks[0]["logs"]
     assert ours[0]["loss"] == pytest.approx(reference[0]["loss"], abs=1e-6)
     assert ours[0]["grad_norm"] == pytest.approx(reference[0]["grad_norm"], rel=1e-3)
