@@ -58,12 +58,15 @@ def _run(kind: str, model_path: Path, dataset, tmp: Path, args, index: int) -> d
         save_strategy="no", seed=0, use_cpu=not torch.cuda.is_available(), learning_rate=1e-6)
     if args.fp32:
         common.update(bf16=False, gradient_checkpointing=False)
+    if kind == "rollplex_compiled":  # the defaults plus the compiled decode step (its compile lands in step 1)
+        common.update(rollplex_compile_decode="on")
     config, trainer_class = ((GRPOConfig(**common), GRPOTrainer) if kind == "trl"
                              else (RollplexGRPOConfig(**common), RollplexGRPOTrainer))
     trainer = trainer_class(model=str(model_path), reward_funcs=[answer_reward], args=config, train_dataset=dataset)
     trainer.train()
-    steps = [r["step_time"] for r in trainer.state.log_history if "step_time" in r][1:]  # drop the warm-up step
-    return {"step_s": statistics.median(steps), "steps": steps,
+    all_steps = [r["step_time"] for r in trainer.state.log_history if "step_time" in r]
+    steps = all_steps[1:]  # drop the warm-up step
+    return {"step_s": statistics.median(steps), "steps": steps, "first_step_s": all_steps[0],
             "num_tokens": max(r.get("num_tokens", 0) for r in trainer.state.log_history)}
 
 
@@ -76,14 +79,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--fp32", action="store_true", help="fp32 without gradient checkpointing for both")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="also run Rollplex with rollplex_compile_decode='on' (its compile is in the dropped first "
+                        "step, reported as first_step_s)")
     parser.add_argument("--out", default="benchmarks/results/vs_trl.json")
     args = parser.parse_args()
     model_path = quiet_checkpoint(args.preset)
     tmp = Path(tempfile.mkdtemp(prefix="rollplex-bench-trl-"))
     dataset = _image_dataset(args.steps, args.image_size)
-    runs: dict[str, list[dict]] = {"trl": [], "rollplex": []}
+    kinds = ("trl", "rollplex", "rollplex_compiled") if args.compile_decode else ("trl", "rollplex")
+    runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
     for index in range(args.repeats):
-        for kind in ("trl", "rollplex"):
+        for kind in kinds:
             torch.manual_seed(0)
             runs[kind].append(_run(kind, model_path, dataset, tmp, args, index))
             print(f"{kind:>8} run {index}: step {runs[kind][-1]['step_s']:.3f} s", flush=True)
@@ -98,6 +105,10 @@ def main() -> None:
                        "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
                        "torch": torch.__version__},
               "runs": runs, "trl_step_s": trl_s, "rollplex_step_s": ours_s, "ratio": trl_s / ours_s}
+    if args.compile_decode:
+        compiled_s = statistics.median(r["step_s"] for r in runs["rollplex_compiled"])
+        result.update(rollplex_compiled_step_s=compiled_s, ratio_compiled=trl_s / compiled_s,
+                      rollplex_compiled_first_step_s=[r["first_step_s"] for r in runs["rollplex_compiled"]])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
@@ -106,6 +117,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     print(f"| image {args.image_size}² ({result['meta']['precision']}) | {args.generations} | "
           f"{args.completion_length} | {share:.0%} | {trl_s:.3f} | {ours_s:.3f} | **{trl_s / ours_s:.2f}×** |")
+    if args.compile_decode:
+        print(f"| same, `rollplex_compile_decode=\"on\"` (first step: {result['rollplex_compiled_first_step_s']}) | "
+              f"{args.generations} | {args.completion_length} | {share:.0%} | {trl_s:.3f} | "
+              f"{result['rollplex_compiled_step_s']:.3f} | **{result['ratio_compiled']:.2f}×** |")
     print(f"\nwrote {out}")
 
 

@@ -98,8 +98,10 @@ def _use_fused(impl: str, *tensors: torch.Tensor) -> bool:
     if impl != "auto":
         return impl == "fused"
     # auto: the fused CPU kernel for inference (decoding); the plain ops where gradients flow (their backward is
-    # plain autograd) and off CPU (a fused kernel with log-sum-exp on CUDA is not wired here yet)
-    return all(t.device.type == "cpu" and not t.requires_grad for t in tensors)
+    # plain autograd) and off CPU (a fused kernel with log-sum-exp on CUDA is not wired here yet). Under no_grad a
+    # graph-carrying input (the rollout's prefill kept for the actor window) records nothing: fused too.
+    flows = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return not flows and all(t.device.type == "cpu" for t in tensors)
 
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:

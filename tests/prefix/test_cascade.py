@@ -111,3 +111,16 @@ def test_rejects_head_counts_that_do_not_group():
     args[1], args[2] = args[1][:, :1].repeat(1, 3, 1, 1), args[2][:, :1].repeat(1, 3, 1, 1)
     with pytest.raises(ValueError, match="multiple"):
         cascade_attention(*args)
+
+
+def test_fused_kernel_choice_follows_whether_gradients_flow():
+    """Decoding reads the rollout's prefill kept for the actor (graph-carrying K/V) under no_grad: nothing is
+    recorded there, so it keeps the fused inference kernel; with autograd on, the plain ops (their backward)."""
+    from rollplex_trl.prefix.cascade import _use_fused
+
+    graph_carrying = torch.randn(2, 2, requires_grad=True) * 2
+    plain = torch.randn(2, 2)
+    with torch.no_grad():
+        assert _use_fused("auto", plain, graph_carrying)
+    assert not _use_fused("auto", plain, graph_carrying)
+    assert _use_fused("auto", plain, plain)

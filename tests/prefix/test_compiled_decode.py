@@ -82,6 +82,7 @@ def test_text_greedy_and_sampled_equal_generate(tiny_qwen2_path, backend, compil
     assert counters["stats"]["unique_graphs"] == graphs, "a new generate call recompiled the decode step"
 
 
+@pytest.mark.slow  # the default run covers video through the trainer test below; the inductor test runs this
 def test_video_greedy_equals_generate_and_logprobs_match(tiny_vl_path, backend, compiled_calls):
     processor = AutoProcessor.from_pretrained(tiny_vl_path)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_vl_path).eval()
