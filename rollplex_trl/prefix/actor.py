@@ -66,8 +66,10 @@ class ActorWindow:
             except KeyError:
                 continue
         pre = precomputed()
+        batches = window_prompts()
         actor = self._from_precomputed(pre, window_index) if pre is not None else self._build(
-            model, window_prompts(), window_index)
+            model, batches, window_index)
+        actor.rows = sum(ids.size(0) for ids, _, _ in batches)
         self.prefixes.append(actor)
         if self.on_built is not None:
             self.on_built()

@@ -167,6 +167,7 @@ class ActorPrefix:
     key_to_prompt: dict[object, int]
     leaf_state: PrefixState  # K/V detached to leaves: suffix backwards accumulate into their .grad
     outputs: list[torch.Tensor]  # the graph-carrying K/V, for the single backward through the prefix
+    rows: int = 0  # the completions it serves over the window (all its micro-batches), for the metrics
 
 
 def rows_to_prompts(actor: ActorPrefix, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,

@@ -496,7 +496,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
                 logps, entropies = suffix(
                     self._trained_model(model), actor.leaf_state, row_to_prompt, input_ids[:, P:],
                     attention_mask[:, P:], temperature=self.temperature, compute_entropy=compute_entropy)
-            self._log_prefix_use(input_ids.size(0), len(actor.key_to_prompt))
+            self._log_prefix_use(actor.rows or input_ids.size(0), len(actor.key_to_prompt))
             return logps, entropies, None
         share = self.support.share_actor if torch.is_grad_enabled() else self.support.share_scoring
         if share and self._shareable(rows, vision_kwargs):  # each prompt once per call, in one graph

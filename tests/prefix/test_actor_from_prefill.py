@@ -73,6 +73,9 @@ def test_prefill_serves_the_actor_exactly(tiny_vl_path, tmp_path, monkeypatch, o
         for key in (k for k in KEYS if k in b):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-8), f"{key} differs at step {step}"
     assert any(r["grad_norm"] > 0 for r in built)
+    # every pass's prefix served a prompt's G = 2 completions: the reference's over the batch, the actor's over
+    # the window's two micro-batches (it once divided one micro-batch's rows by the window's prompts: 1.0)
+    assert all(r["rollplex/prefix_rows_per_prompt"] == 2.0 for r in reused + built)
     for name, w in w_built.items():
         assert torch.allclose(w_reused[name], w, rtol=1e-6, atol=1e-8), name
 
