@@ -352,7 +352,10 @@ def write_mp4(path: str | os.PathLike[str], frames: np.ndarray, fps: int, codec:
         stream.pix_fmt = "yuv420p"
         if codec == "libx264":
             # Near-lossless, so that colours and edges survive for pixel-level checks; the clips are tiny anyway.
-            stream.options = {"crf": "8", "preset": "veryfast"}
+            # No macroblock-tree / lookahead: with them x264 read uninitialized memory for frame sizes that are not
+            # multiples of 16 and the same frames encoded to different bytes (decoded pixels 2/255 apart) from one
+            # process to the next, so two ranks writing "the same" clip trained on different videos.
+            stream.options = {"crf": "8", "preset": "veryfast", "x264-params": "no-mbtree=1:rc-lookahead=0"}
         else:
             stream.bit_rate = 4_000_000
         for frame in frames:

@@ -180,3 +180,26 @@ def test_config_validation():
         SyntheticVideoConfig(tasks=("count", "juggling"))
     with pytest.raises(ValueError, match="even"):
         SyntheticVideoConfig(height=113)
+
+
+def test_mp4_bytes_do_not_depend_on_the_heap(tmp_path):
+    """The same frames encode to the same file whatever the process's heap holds: with x264's defaults, frames whose
+    sides are not multiples of 16 (84 x 56 here) encoded differently once memory had been reused (uninitialized
+    reads), so two ranks writing one clip read different pixels."""
+    import hashlib
+
+    from rollplex_trl.data.synthetic import pick_video_codec, write_mp4
+
+    if pick_video_codec() != "libx264":
+        pytest.skip("the x264 settings are what this checks")
+    rng = np.random.default_rng(2)
+    blocks = rng.integers(0, 255, (84 // 8 + 1, 56 // 8 + 1, 3), dtype=np.uint8)  # smooth blocks, as the tests' clips
+    frames = np.stack([np.kron(np.roll(blocks, i, axis=1), np.ones((8, 8, 1), np.uint8))[:84, :56] for i in range(8)])
+    digests, junk = set(), []
+    for k in range(12):
+        junk.append(bytearray(rng.bytes(int(rng.integers(1_000, 200_000)))))  # leave freed memory with contents
+        del junk[: int(rng.integers(0, len(junk)))]
+        path = tmp_path / f"clip{k}.mp4"
+        write_mp4(path, frames, fps=4)
+        digests.add(hashlib.md5(path.read_bytes()).hexdigest())
+    assert len(digests) == 1
