@@ -57,6 +57,10 @@ class RollplexGRPOConfig(GRPOConfig):
         rollplex_backend (`"hf"` or `"megatron"`, defaults to `"hf"`): `"megatron"` trains the LLM as Megatron-Core's
             `GPTModel`, tensor-parallel over `rollplex_tensor_parallel_size` ranks (docs/megatron.md).
         rollplex_tensor_parallel_size (`int`, defaults to `1`): tensor-parallel degree t of the Megatron backend.
+        rollplex_weight_mapping (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): on the Megatron backend, map
+            the rollout model's tensors onto the training shards' shared memory, peers' shards included, so only
+            tensors whose layouts are incompatible are copied after each optimizer step (auto: on CPU where
+            /dev/shm has room and every TP rank is on one host).
 
     Parameters that control video data (used when a dataset row has a `video` column):
         rollplex_video_fps (`float`, defaults to `2.0`): frames sampled per second of video (qwen-vl-utils' FPS).
@@ -200,6 +204,18 @@ class RollplexGRPOConfig(GRPOConfig):
                   "(processes from accelerate launch / torchrun) must be a multiple of t; the rest is data "
                   "parallelism. It must divide the attention heads and KV groups."},
     )
+    rollplex_weight_mapping: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata={
+            "help": "With rollplex_backend='megatron': how the rollout model reads the trained weights. 'on': every "
+            "TP rank's shards live in a shared-memory file, each rank maps its peers' files, and every rollout "
+            "tensor whose bytes line up on pages is a view of them (a peer's included): only the rest (e.g. "
+            "row-parallel weights at t > 1) is copied after each optimizer step. 'off': views of this rank's own "
+            "shards only, the rest rebuilt from an all-gather. 'auto': 'on' where it can run (CPU, one host per TP "
+            "group, room in /dev/shm, one dtype), else 'off' with the reason logged. Same weights either way.",
+            "choices": ["auto", "on", "off"],
+        },
+    )
     rollplex_video_fps: float = field(
         default=2.0, metadata={"help": "Frames sampled per second of video, as qwen-vl-utils does (FPS)."}
     )
@@ -301,6 +317,7 @@ _RULES: dict[str, _Rule] = {
     "rollplex_memory_ledger": _Rule("bool", "true or false"),
     "rollplex_backend": _Rule("choice", "'hf' or 'megatron'", choices=("hf", "megatron")),
     "rollplex_tensor_parallel_size": _Rule("int", "an integer >= 1", lambda v: v >= 1),
+    "rollplex_weight_mapping": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
     "rollplex_video_fps": _Rule("float", "a finite number > 0", lambda v: v > 0),
     "rollplex_video_min_frames": _Rule("int", "an integer >= 1", lambda v: v >= 1),
     "rollplex_video_max_frames": _Rule(
@@ -376,6 +393,9 @@ def _validate(cfg: RollplexGRPOConfig) -> None:
     if cfg.rollplex_backend != "megatron" and cfg.rollplex_tensor_parallel_size != 1:
         raise ValueError(f"rollplex_tensor_parallel_size={cfg.rollplex_tensor_parallel_size} needs "
                          "rollplex_backend='megatron' (the 'hf' backend is data-parallel only)")
+    if cfg.rollplex_backend != "megatron" and cfg.rollplex_weight_mapping == "on":
+        raise ValueError("rollplex_weight_mapping='on' needs rollplex_backend='megatron' (the 'hf' backend trains "
+                         "the rollout model itself: there is nothing to map)")
     if cfg.rollplex_video_min_pixels > cfg.rollplex_video_max_pixels:
         raise ValueError(
             "need rollplex_video_min_pixels <= rollplex_video_max_pixels, got "

@@ -157,6 +157,12 @@ class RolloutWeights:
             self._peers[peer] = self.memory.open(_name(self.session, "train", peer))
         return self._peers[peer]
 
+    def open_peers(self) -> None:
+        """Open every training arena of this device's replica now (else the first ``sync()`` opens the ones only
+        its copies read): afterwards their files may be unlinked."""
+        for train_rank in range(self.plan.options.train_tp):
+            self._arena(train_rank)
+
     def _typed(self, raw: torch.Tensor, offset: int) -> torch.Tensor:
         return raw[offset:].view(self.dtype)
 

@@ -50,6 +50,10 @@ class ShardingOptions:
     remote: str = "copy"  # bytes held by another device: "copy" them each sync, or "map" them (peer mapping)
     placement: str = "optimal"  # or "naive": replica-major
     bucket_bytes: int = 256 << 20
+    # whether the rollout engine takes the `view` class (a strided view over several stitched shards, e.g. a
+    # row-parallel weight as (rows, t, cols / t)); False for a consumer that needs plain tensors (the transformers
+    # model): those tensors are copied instead
+    rollout_views: bool = True
 
     @property
     def world(self) -> int:
@@ -290,7 +294,8 @@ def plan_sharding(model: ModelSpec, options: ShardingOptions) -> ShardingPlan:
         runs = decompose(target, shard_maps)
         shape2d = (len(target[0]), 1 if g.one_dim else len(target[1]))
         sizes = [len(a) * len(b) for a, b in shard_maps]
-        return classify(runs, shape2d, sizes, page, esize, allow_aligned, allow_view), holders, sizes
+        return (classify(runs, shape2d, sizes, page, esize, allow_aligned, allow_view and opts.rollout_views),
+                holders, sizes)
 
     keys = set()
     for d, (_, j) in enumerate(slots):

@@ -86,6 +86,15 @@ class SharedFile:
     def bytes(self) -> torch.Tensor:
         return tensor_at(self.addr, self.size)
 
+    def unlink(self) -> None:
+        """Remove the file's name now (every process that needs it has it open or mapped): its pages live until
+        the last mapping goes, and a crash leaves nothing behind in /dev/shm."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        self.owner = False  # close() has nothing left to unlink
+
     def close(self, unlink: bool | None = None) -> None:
         if self.fd < 0:
             return

@@ -210,7 +210,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
         trl_compat.keep_model_unwrapped(self.accelerator, self.model)  # gradients are the backend's to reduce
         return MegatronBackend(
             rollout_model=self.accelerator.unwrap_model(self.model), ref_model=ref,
-            tensor_parallel_size=self.rollplex["rollplex_tensor_parallel_size"], seed=self.args.seed,
+            tensor_parallel_size=self.rollplex["rollplex_tensor_parallel_size"],
+            weight_mapping=self.rollplex["rollplex_weight_mapping"], seed=self.args.seed,
             record=lambda key, value: trl_compat.metrics(self, True)[key].append(value),
             is_main_process=self.accelerator.is_main_process)
 

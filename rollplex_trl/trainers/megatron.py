@@ -2,7 +2,8 @@
 
 The LLM trains as Megatron-Core's GPTModel, tensor-parallel over t ranks (`backends/megatron/`); the vision tower
 is replicated (a trainable copy on every rank); the transformers model TRL built stays the **rollout engine** (its
-`generate`), with its weights bound to the training parameters (`backends/megatron/rollout_weights.py`). Processes
+`generate`), with its weights bound to the training parameters (`backends/megatron/mapped_weights.py`: mapped onto
+every TP rank's shards through shared memory; `rollout_weights.py`: views of local shards + a rebuild). Processes
 come from `accelerate launch`/`torchrun`; ranks are laid out as Megatron does: TP groups are consecutive ranks, the
 data-parallel rank is `rank // t`.
 
@@ -113,10 +114,9 @@ class MegatronBackend:
     """The trainer's Megatron component: the training model(s), the rollout binding, gradient reduction."""
 
     def __init__(self, *, rollout_model: nn.Module, ref_model: nn.Module | None, tensor_parallel_size: int,
-                 seed: int, record: Callable[[str, float], None], is_main_process: bool) -> None:
+                 seed: int, record: Callable[[str, float], None], is_main_process: bool,
+                 weight_mapping: str = "auto") -> None:
         from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel
-        from rollplex_trl.backends.megatron.rollout_weights import LiveRolloutWeights
-        from rollplex_trl.sharding import model_spec_from_config
 
         self.groups = init_model_parallel(tensor_parallel_size)
         self.record = record
@@ -131,19 +131,44 @@ class MegatronBackend:
         for p in rollout_model.parameters():
             p.requires_grad_(False)  # also keeps accelerate from wrapping it in DDP: gradients are ours to reduce
         self.policy.requires_grad_(True)
-        # every tensor of the rollout model, vision tower included (the policy's own spec covers the LLM only)
-        self._bind = lambda: LiveRolloutWeights(model_spec_from_config(rollout_model.config), self.policy.options,
-                                                rollout_model, self._train_param, self.groups.tp_rank,
-                                                self.groups.tp_group)
-        self.rollout = self._bind()
+        self._rollout_model = rollout_model
+        self.rollout, not_mapped = self._bind_rollout(weight_mapping)
         if is_main_process:
-            logger.warning("rollplex: Megatron backend, t=%d, data-parallel %d; %s", self.groups.tp_size,
-                           self.groups.dp_size, self.rollout.table())
+            logger.warning("rollplex: Megatron backend, t=%d, data-parallel %d; %s%s", self.groups.tp_size,
+                           self.groups.dp_size, self.rollout.table(),
+                           f" (not mapped across processes: {not_mapped})" if not_mapped else "")
         self._reduced = False  # whether this optimizer step's gradients were averaged over DP already
         # TP peers draw the same samples (the hf backend in one process draws with seed + 0, as DP rank 0 does here)
         from transformers import set_seed
 
         set_seed(seed + self.groups.dp_rank)
+
+    def _bind_rollout(self, mode: str):
+        """The rollout model's weights bound to the training parameters (rollplex_weight_mapping): mapped onto
+        every TP rank's shared shards where it can run (`backends/megatron/mapped_weights.py`), else views of the
+        local shards plus an all-gather rebuild (`rollout_weights.py`). Returns (binding, why not mapped or None);
+        the same choice on every TP rank."""
+        from rollplex_trl.backends.megatron import mapped_weights
+        from rollplex_trl.backends.megatron.rollout_weights import LiveRolloutWeights
+        from rollplex_trl.sharding import model_spec_from_config
+
+        # every tensor of the rollout model, vision tower included (the policy's own spec covers the LLM only)
+        spec, g = model_spec_from_config(self._rollout_model.config), self.groups
+        reason = "rollplex_weight_mapping='off'"
+        if mode != "off":
+            train = [p for _, p in self.policy.named_parameters()]
+            reason = mapped_weights.agree(mapped_weights.unavailable_reason(
+                spec=spec, options=self.policy.options, rollout_model=self._rollout_model, train_params=train,
+                tp_group=g.tp_group, tp_rank=g.tp_rank), g.tp_group, g.tp_size)
+            if reason is None:
+                return mapped_weights.MappedRolloutWeights(spec, self.policy.options, self._rollout_model,
+                                                           self._train_param, g.tp_rank, g.tp_group, g.tp_size,
+                                                           g.dp_rank), None
+            if mode == "on":
+                raise RuntimeError(f"rollplex_weight_mapping='on' cannot map the rollout weights: {reason}; use "
+                                   "'auto' or 'off'")
+        return LiveRolloutWeights(spec, self.policy.options, self._rollout_model, self._train_param, g.tp_rank,
+                                  g.tp_group), reason
 
     def _train_param(self, group, spec_index: int, name: str) -> nn.Parameter:
         if name.startswith("visual."):
@@ -212,8 +237,15 @@ class MegatronBackend:
                     param.copy_(hf[f"model.visual.{name}"])
         # The loader may have replaced tensors instead of writing into them (which would silently end their
         # aliasing): bind the rollout model to the training parameters again, at the same weight version.
+        from rollplex_trl.backends.megatron.mapped_weights import MappedRolloutWeights
+        from rollplex_trl.backends.megatron.rollout_weights import LiveRolloutWeights
+
+        if isinstance(self.rollout, MappedRolloutWeights):
+            self.rollout.bind(rollout_model)  # the shards stay where they are mapped; the copied tensors refresh
+            return
         version = self.rollout.version
-        self.rollout = self._bind()
+        self.rollout = LiveRolloutWeights(self.rollout.spec, self.policy.options, rollout_model, self._train_param,
+                                          self.groups.tp_rank, self.groups.tp_group)
         self.rollout.version = self.rollout.synced_version = version
 
     # ---- gradients ----------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from pathlib import Path
 def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = "") -> dict:
     """mode: "" (fp32), "bf16" (TRL's defaults: bf16 autocast + gradient checkpointing), "save" (checkpoint at
     step 2, output_dir run-<tag>), "resume:<tag>" (resume from a copy of run-<tag>'s checkpoint-2), "overlap"
-    (fp32, rollplex_overlap="on": the prefix jobs run in a worker thread while the rollout decodes)."""
+    (fp32, rollplex_overlap="on": the prefix jobs run in a worker thread while the rollout decodes), "views" (fp32,
+    rollplex_weight_mapping="off": views of local shards, the rest all-gathered)."""
     sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..")]
     import torch
     from datasets import Dataset
@@ -42,6 +43,7 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         save_strategy="steps" if mode == "save" else "no", save_steps=2,
         ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None, rollplex_backend=backend,
         rollplex_tensor_parallel_size=tp, rollplex_overlap="on" if mode == "overlap" else "auto",
+        rollplex_weight_mapping="off" if mode == "views" else "auto",
         # the hf backend's suffix with the prompt's K/V concatenated, as the Megatron backend's core attention does:
         # under bf16 the two backends then round the same sums alike (cascade's kernels round differently: bf16 step
         # 2 loss 2% apart instead of 5e-3; cascade itself is tested against the full forward in tests/prefix/)
@@ -49,6 +51,9 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         rollplex_video_min_pixels=4 * 28 * 28, rollplex_video_max_pixels=56 * 84)
     trainer = RollplexGRPOTrainer(model=checkpoint, reward_funcs=reward, args=args,
                                   train_dataset=Dataset.from_list(rows * 2))
+    if backend == "hf":  # the reference runs: the weights before training (the tests compare updates)
+        initial = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()}
+        torch.save(initial, Path(out) / f"{tag}-rank{rank}-initial.pt")
     if resume:
         import torch.distributed as dist
 
@@ -68,12 +73,37 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
                   ("rollplex/sync", "rollplex/overlap_active", "rollplex/prefix_s"))}
                        for r in trainer.state.log_history if "loss" in r],
               "steps": [r["step"] for r in trainer.state.log_history if "loss" in r]}
+    if trainer.megatron is not None:
+        result["rollout"] = _rollout_binding(trainer.megatron, model)
     Path(out, f"{tag}-rank{rank}.json").write_text(json.dumps(result))
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_world_size() > 1:  # under torchrun (in-process runs keep pytest's world)
         trainer.end()  # every rank done, the groups released before the interpreter's exit (RollplexGRPOTrainer.end)
     return result
+
+
+def _rollout_binding(backend, model) -> dict:
+    """How the rollout model holds its weights after the last sync: equal to the trained shards (gathered over TP
+    here, a collective), and, where they are mapped (rollplex_weight_mapping), which shared-memory file backs each
+    tensor's pages, by the binding's class, read from /proc/self/maps."""
+    import torch
+
+    from rollplex_trl.backends.megatron.mapped_weights import MappedRolloutWeights, backing_files
+
+    trained = backend.policy.hf_state_dict()
+    params = dict(model.named_parameters())
+    unequal = [n for n, value in trained.items() if not torch.equal(params[n].detach(), value)]
+    out = {"unequal_to_trained": unequal, "mapped": isinstance(backend.rollout, MappedRolloutWeights)}
+    if out["mapped"]:
+        files = {}
+        for name, mode in backend.rollout.classes().items():
+            # a file name is rollplex-<session>-<train|buffer>-<device>: keep its role and device
+            files[name] = [mode, sorted("-".join(f.split("-")[-2:]) if f else "private"
+                                        for f in backing_files(params[name].data))]
+        out |= {"files": files, "plan_copy_bytes": backend.rollout.bytes_copied_per_sync,
+                "aliased_bytes": backend.rollout.bytes_aliased}
+    return out
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ its LLM and vision tensors is classified once, from the layout algebra (`rollple
   processes). After each optimizer step the group's shards are all-gathered over the TP group and the HF tensor is
   rebuilt from them by inverting the index maps (`V[rows, cols] = shard`).
 
-Cross-process aliasing (mapping peer ranks' shards into one virtual range, `sharding/executor.py`) is not wired in
-yet: at t > 1 the split tensors take the copy path, measured and reported as such.
+This is the binding of `rollplex_weight_mapping="off"` (and of "auto" where the mapping cannot run): at t > 1 the
+split tensors take the copy path. `mapped_weights.py` maps peer ranks' shards too (shared memory), so there only the
+tensors whose layouts are incompatible are copied.
 
 The stale-weights guard: `version` counts optimizer steps; `sync()` brings the rollout to it and `check_fresh()`
 refuses to generate from an older version.
@@ -93,7 +94,7 @@ class LiveRolloutWeights:
 
     def __init__(self, spec: ModelSpec, options: ShardingOptions, rollout_model: nn.Module, train_param,
                  tp_rank: int, tp_group: dist.ProcessGroup | None) -> None:
-        self.options, self.tp_rank, self.tp_group = options, tp_rank, tp_group
+        self.spec, self.options, self.tp_rank, self.tp_group = spec, options, tp_rank, tp_group
         self.maps = LayoutMaps(options)
         hf_params = dict(rollout_model.named_parameters())
         self.aliased: list[tuple[str, int]] = []  # (name, bytes)

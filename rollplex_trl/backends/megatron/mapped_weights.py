@@ -1,0 +1,303 @@
+"""The rollout model's weights mapped onto the training shards' own memory, across the TP group's processes.
+
+`rollout_weights.LiveRolloutWeights` aliases only what this process holds (whole rows of one local parameter) and
+rebuilds the rest from an all-gather after each optimizer step: at t > 1 every split tensor is copied. This binding
+executes the sharding plan (`sharding/plan.py`, `sharding/executor.py`) for the transformers rollout model instead:
+
+1. Each TP rank's training parameters (its GPTModel shards and the replicated vision tower) move into one
+   shared-memory file laid out by the plan (`TrainingStorage.adopt`: `param.data` becomes a view of it, so AdamW's
+   in-place update writes there).
+2. Each rank maps its TP peers' files and builds the plan's rollout tensors (vLLM's layout at rollout TP 1: fused
+   `qkv_proj` and `gate_up_proj`) from them: pages of local and peer shards stitched into one virtual address range
+   where the bytes line up on pages (classes `aligned` and `view`), a region of a rebuild buffer where they do not
+   (class `copy`: e.g. a row-parallel weight, whose rows interleave both ranks' columns).
+3. Each transformers tensor becomes a row slice of its rollout tensor (q/k/v of `qkv_proj`, gate/up of
+   `gate_up_proj`): its data *is* the training bytes, a peer's included, so an optimizer step is the rollout's
+   weights with nothing moved. After each step only the copy class is refreshed, by strided copies out of the
+   mapped files (no collective carries them).
+
+Ordering across processes (the on-policy barrier): a peer's optimizer step writes into tensors this rank's rollout
+reads. `sync()` waits for the whole TP group (every rank's step done) before any rank copies or generates; a
+rank's next step comes after its peers finished generating, because the step's backward needs collectives that a
+peer enters only after its generation.
+
+The files are unlinked as soon as every rank has mapped them: the mappings keep the memory alive, and a crashed
+run leaves nothing in /dev/shm. The mappings are never unmapped while the process lives (the optimizer, the
+transformers model and checkpoints may hold tensors that are views of them); the kernel frees them at exit.
+
+CPU only (shared-memory files + mmap). The executor's CUDA path (driver VMM, `memory/cuda_vmm.py`) is written but
+this binding has never run on a GPU, so the trainer does not select it there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rollplex_trl.backends.megatron.rollout_weights import StaleRolloutWeights, SyncStats, _contiguous_run, _hf_targets
+from rollplex_trl.sharding.models import ModelSpec, ParamGroup
+from rollplex_trl.sharding.plan import LayoutMaps, ShardingOptions, ShardingPlan, plan_sharding, rollout_specs
+
+SHM_ROOT = "/dev/shm"
+SHM_HEADROOM = 1.25  # free space /dev/shm must have beyond what the mapping allocates (tmpfs SIGBUSes when full)
+
+
+@dataclass(frozen=True)
+class _Binding:
+    """One transformers tensor as rows [start, start + rows) of one rollout tensor of the plan."""
+
+    hf_name: str
+    rollout: str  # the plan's rollout tensor (vLLM name)
+    start: int
+    rows: int
+    mode: str  # the rollout tensor's build mode: "direct", "mapped" or "buffer" (copied after every step)
+
+
+def mapping_options(options: ShardingOptions, element_size: int, page_size: int) -> ShardingOptions:
+    """The plan this binding executes: the backend's training layout, one full rollout replica per TP rank (r = 1,
+    the transformers model), CPU pages, peer shards mapped rather than copied, no vocabulary padding and an
+    unsharded vision tower on the rollout side (the transformers model's), and no `view` class: a transformers
+    Linear needs a plain (out, in) weight, which a row-parallel weight split over ranks is not (copied instead)."""
+    return dataclasses.replace(options, rollout_tp=1, world_size=options.train_tp, page_size=page_size,
+                               element_size=element_size, remote="map", vllm_vision="replicated",
+                               vllm_vocab_multiple=1, rollout_views=False)
+
+
+def plan_bindings(spec: ModelSpec, plan: ShardingPlan, device: int,
+                  hf_shapes: dict[str, torch.Size]) -> list[_Binding]:
+    """Where every transformers tensor lies in the plan's rollout tensors of one device; raises if one does not lie
+    in a single rollout tensor as a run of whole rows (then this binding cannot serve that model)."""
+    maps = LayoutMaps(plan.options)
+    tensors = iter(plan.devices[device].tensors)
+    out = []
+    for group in spec.groups:
+        placed: dict[str, _Binding] = {}
+        targets = _hf_targets(group, {n: _Shape(s) for n, s in hf_shapes.items()})
+        for si, (_spec, name) in enumerate(rollout_specs(group, plan.options)):
+            tensor = next(tensors)
+            if tensor.name != name:
+                raise AssertionError(f"plan order: expected {name}, found {tensor.name}")  # a planner bug
+            rows = maps.get(group, "rollout", si, 0)[0]
+            for target in targets:
+                if target.name in placed:
+                    continue
+                start = _contiguous_run(rows, target.v_rows)
+                if start is not None:
+                    placed[target.name] = _Binding(target.name, name, start, len(target.v_rows), tensor.mode)
+        missing = [t.name for t in targets if t.name not in placed]
+        if missing:
+            raise ValueError(f"{missing[0]} is not a run of whole rows of one rollout tensor of {group.kind.key}")
+        out.extend(placed[t.name] for t in targets)
+    return out
+
+
+class _Shape:
+    """Stands in for a parameter where only the name lookup matters (`_hf_targets` before any data exists)."""
+
+    def __init__(self, shape: torch.Size) -> None:
+        self.shape = shape
+
+
+def unavailable_reason(*, spec: ModelSpec, options: ShardingOptions, rollout_model: nn.Module,
+                       train_params: list[nn.Parameter], tp_group: dist.ProcessGroup | None,
+                       tp_rank: int) -> str | None:
+    """Why this process cannot map its rollout weights onto the training shards (None: it can). Not a collective;
+    the caller agrees on the answer over the TP group (`agree`)."""
+    device = next(rollout_model.parameters()).device
+    if device.type != "cpu":
+        return f"the rollout model is on {device} (the mapping has run on CPU only)"
+    if not os.path.isdir(SHM_ROOT):
+        return f"{SHM_ROOT} does not exist"
+    dtypes = {p.dtype for p in train_params} | {p.dtype for p in rollout_model.parameters()}
+    if len(dtypes) != 1:
+        return f"training and rollout parameters have several dtypes {sorted(map(str, dtypes))}"
+    from rollplex_trl.sharding import shm
+
+    esize = torch.empty(0, dtype=dtypes.pop()).element_size()
+    try:
+        plan = plan_sharding(spec, mapping_options(options, esize, shm.PAGE))
+        plan_bindings(spec, plan, tp_rank, {n: p.shape for n, p in rollout_model.named_parameters()})
+    except ValueError as err:
+        return f"the plan cannot bind the rollout model: {err}"
+    need = plan.arena_sizes[tp_rank] + plan.devices[tp_rank].buffer_size
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    stat = os.statvfs(SHM_ROOT)
+    free = stat.f_bavail * stat.f_frsize
+    if need * local_world * SHM_HEADROOM > free:
+        return (f"{SHM_ROOT} has {free / 2**20:.0f} MiB free, the mapping needs {need / 2**20:.0f} MiB per process "
+                f"x {local_world} processes (raise the shared-memory size, e.g. docker run --shm-size)")
+    return None
+
+
+def agree(reason: str | None, tp_group: dist.ProcessGroup | None, tp_size: int) -> str | None:
+    """One answer for the whole TP group (every rank must take the same path: the mapping runs barriers): the first
+    rank's reason not to map, or the peers not sharing this host (their files could not be mapped)."""
+    if tp_size == 1:
+        return reason
+    answers: list = [None] * tp_size
+    dist.all_gather_object(answers, (socket.gethostname(), reason), group=tp_group)
+    if len({host for host, _ in answers}) > 1:
+        return "the TP group spans several hosts (peer shards can only be mapped on one host)"
+    return next((r for _, r in answers if r is not None), None)
+
+
+class MappedRolloutWeights:
+    """Binds a transformers rollout model to the Megatron training parameters through shared memory (see the module
+    docstring). Same interface as `LiveRolloutWeights`: `version`, `sync()`, `check_fresh()`, `table()`.
+
+    ``train_param(group, spec_index, name)`` returns this rank's training parameter for a train spec of a group.
+    Call on every TP rank of the group together (barriers); `unavailable_reason` + `agree` first.
+    """
+
+    def __init__(self, spec: ModelSpec, options: ShardingOptions, rollout_model: nn.Module,
+                 train_param: Callable[[ParamGroup, int, str], nn.Parameter], tp_rank: int,
+                 tp_group: dist.ProcessGroup | None, tp_size: int, dp_rank: int) -> None:
+        from rollplex_trl.sharding import shm
+        from rollplex_trl.sharding.executor import CpuMemory, RolloutWeights, TrainingStorage
+
+        self.tp_rank, self.tp_group, self.tp_size = tp_rank, tp_group, tp_size
+        dtype = next(rollout_model.parameters()).dtype
+        self.plan = plan_sharding(spec, mapping_options(options, torch.empty(0, dtype=dtype).element_size(),
+                                                        shm.PAGE))
+        self.device_plan = self.plan.devices[tp_rank]
+        hf_params = dict(rollout_model.named_parameters())
+        self.bindings = plan_bindings(spec, self.plan, tp_rank, {n: p.shape for n, p in hf_params.items()})
+        session = self._session(dp_rank)
+        memory = CpuMemory(SHM_ROOT)
+        self.storage = TrainingStorage(self.plan, tp_rank, memory, session, dtype)
+        self.storage.adopt({e.name: train_param(spec.groups[e.group], e.spec, e.name)
+                            for e in self.plan.arenas[tp_rank]})
+        self._barrier()  # every rank's arena exists and holds its shards
+        self.weights = RolloutWeights(self.plan, tp_rank, memory, session, self.storage)
+        self.weights.open_peers()  # the copies read peer files too: open them all before they are unlinked
+        self._barrier()  # every rank mapped what it needs
+        self.storage.file.unlink()
+        self.weights.buffer.unlink()
+        self.version = 0  # optimizer steps taken
+        self.synced_version = 0  # the version the rollout model holds
+        self._ptrs: list[tuple[str, nn.Parameter, int]] = []
+        self.bind(rollout_model)
+        self.last = SyncStats(bytes_aliased=self.bytes_aliased)
+
+    def _session(self, dp_rank: int) -> str:
+        """A name for this TP group's files, the same on every rank of the group, new for every binding."""
+        box = [f"{os.getpid()}-{uuid.uuid4().hex[:8]}-dp{dp_rank}"]
+        if self.tp_size > 1:
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+        return box[0]
+
+    def _barrier(self) -> None:
+        if self.tp_size > 1:
+            dist.barrier(group=self.tp_group)
+
+    @torch.no_grad()
+    def bind(self, rollout_model: nn.Module) -> None:
+        """Point every transformers tensor at its place in the mapped rollout tensors (again after a loader replaced
+        them: the values must be the training shards' already). A collective over the TP group."""
+        self._barrier()  # peers' shards are final (e.g. reloaded from a checkpoint)
+        self.weights.sync()
+        hf_params = dict(rollout_model.named_parameters())
+        self._ptrs = []
+        for b in self.bindings:
+            param = hf_params[b.hf_name]
+            rows = self.weights.tensors[b.rollout][b.start:b.start + b.rows]
+            view = rows.view(param.shape)
+            if not torch.equal(view, param.data):
+                raise RuntimeError(f"rollout tensor {b.hf_name} differs from the training shards it would map: the "
+                                   "two models were not built from the same weights")
+            param.data = view
+            self._ptrs.append((b.hf_name, param, view.data_ptr()))
+        self._barrier()  # no rank generates before every rank checked its views
+
+    # ---- what the plan says ---------------------------------------------------------------------------------------
+
+    def _bytes(self, copied: bool) -> int:
+        sizes = {name: p.numel() * p.element_size() for name, p, _ in self._ptrs}
+        return sum(sizes[b.hf_name] for b in self.bindings if (b.mode == "buffer") == copied)
+
+    @property
+    def bytes_aliased(self) -> int:
+        """Bytes of transformers tensors that are the training shards' memory (local or a peer's)."""
+        return self._bytes(False)
+
+    @property
+    def bytes_copied_per_sync(self) -> int:
+        """The plan's copy bytes for this device: what every sync moves."""
+        return sum(t.copied_bytes for t in self.device_plan.tensors)
+
+    @property
+    def bytes_from_peers(self) -> int:
+        """Aliased bytes that lie in a TP peer's shards (mapped from its file)."""
+        return sum(t.remote_bytes for t in self.device_plan.tensors if t.mode != "buffer")
+
+    def table(self) -> str:
+        """The live classification, one line (logged once at start-up)."""
+        n_copied = sum(b.mode == "buffer" for b in self.bindings)
+        copied = [b.hf_name for b in self.bindings if b.mode == "buffer"]
+        return (f"rollout weights mapped onto the training shards (shared memory, {self.tp_size} processes): "
+                f"{len(self.bindings) - n_copied} tensors aliased ({self.bytes_aliased / 2**20:.1f} MiB, of which "
+                f"{self.bytes_from_peers / 2**20:.1f} MiB in peers' shards; 0 bytes per sync), {n_copied} rebuilt "
+                f"after each optimizer step ({self.bytes_copied_per_sync / 2**20:.1f} MiB per sync; e.g. "
+                f"{copied[:2]})")
+
+    def classes(self) -> dict[str, str]:
+        """transformers name -> how its data is held: 'direct', 'mapped' (stitched pages) or 'buffer' (copied)."""
+        return {b.hf_name: b.mode for b in self.bindings}
+
+    # ---- the on-policy barrier ----------------------------------------------------------------------------------
+
+    def optimizer_stepped(self) -> None:
+        self.version += 1
+
+    def check_aliases(self) -> None:
+        moved = [name for name, param, ptr in self._ptrs if param.data_ptr() != ptr]
+        if moved:
+            raise StaleRolloutWeights(f"rollout tensors {moved[:3]} (of {len(moved)}) no longer share storage with "
+                                      "the training shards they map; rebind the rollout model after replacing "
+                                      "its tensors")
+
+    def check_fresh(self) -> None:
+        self.check_aliases()
+        if self.synced_version != self.version:
+            raise StaleRolloutWeights(
+                f"the rollout model holds the weights of optimizer step {self.synced_version}, but {self.version} "
+                "steps were taken: generating now would be off-policy. Call sync() after each optimizer step.")
+
+    @torch.no_grad()
+    def sync(self) -> SyncStats | None:
+        """After an optimizer step: wait for every TP rank's step, then refresh the copy class; None when the
+        rollout was current already. A collective over the TP group."""
+        if self.synced_version == self.version:
+            return None
+        start = time.perf_counter()
+        self._barrier()  # every rank's optimizer step wrote its shards (which this rank's rollout maps)
+        stats = self.weights.sync()
+        self.weights.wait()
+        self.synced_version = self.version
+        self.last = SyncStats(int(stats["bytes"]), self.bytes_aliased, time.perf_counter() - start)
+        return self.last
+
+
+def backing_files(tensor: torch.Tensor) -> set[str]:
+    """The shared-memory files whose pages hold ``tensor``'s bytes in this process (from /proc/self/maps; for
+    tests and debugging). A tensor in private memory gives {''}."""
+    from rollplex_trl.sharding import shm
+
+    span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride())) if tensor.numel() else 0
+    nbytes = span * tensor.element_size()
+    start = tensor.data_ptr()
+    out = set()
+    for addr in np.arange(start - start % shm.PAGE, start + max(nbytes, 1), shm.PAGE):
+        where = shm.backing_of(int(addr))
+        out.add(os.path.basename(where[0]) if where else "")
+    return out

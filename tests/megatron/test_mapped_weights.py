@@ -1,0 +1,136 @@
+"""rollplex_weight_mapping: the Megatron backend's rollout model mapped onto the training shards' shared memory
+(backends/megatron/mapped_weights.py), in a 1-process world (t = 1; t = 2 across processes runs in
+test_megatron_trainer.py).
+
+The reference for "aliased" is behavioural: after a real AdamW step and before any sync, an aliased rollout tensor
+already holds the new weights (nothing copied them) and a copied one still holds the old; after the sync every
+tensor equals the shards gathered back into HF layout (`hf_state_dict`). Which tensors must be copied follows from
+the layouts: Megatron's `linear_qkv` interleaves [q_g; k_g; v_g] per KV group, so vLLM's fused `qkv_proj` (of which
+HF's q/k/v are row slices) is stitched from one piece per group and projection, which maps only when each piece is
+a whole number of pages (4096 bytes here): in fp32 the weights do and the biases do not; in bf16 k/v do not either.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import megatron_worker as mw
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+PAGE = 4096
+
+
+def _backend(path, dtype=torch.float32, mapping="on"):
+    from rollplex_trl.trainers.megatron import MegatronBackend
+
+    records: list[tuple[str, float]] = []
+    rollout = mw.load_hf(path, dtype=dtype)
+    backend = MegatronBackend(rollout_model=rollout, ref_model=None, tensor_parallel_size=1, seed=0,
+                              record=lambda k, v: records.append((k, v)), is_main_process=False,
+                              weight_mapping=mapping)
+    return backend, rollout, records
+
+
+def _must_copy(rollout) -> set[str]:
+    """HF's q/k/v come from one rollout tensor (vLLM's fused `qkv_proj`, and its bias), built from one piece per KV
+    group and projection: it maps only when every piece is a whole number of pages, else all three are copied."""
+    text = rollout.config.text_config
+    head_dim = text.hidden_size // text.num_attention_heads
+    rows = {"q_proj": head_dim * text.num_attention_heads // text.num_key_value_heads, "k_proj": head_dim,
+            "v_proj": head_dim}
+    fused: dict[str, list[tuple[str, bool]]] = {}  # (layer, weight|bias) -> [(name, piece on pages)]
+    for name, p in rollout.named_parameters():
+        *layer, proj, what = name.split(".")
+        if ".language_model." in name and proj in rows:
+            row_bytes = p.element_size() * (p.shape[1] if p.dim() == 2 else 1)
+            fused.setdefault(f"{'.'.join(layer)}.{what}", []).append((name, rows[proj] * row_bytes % PAGE == 0))
+    return {name for pieces in fused.values() if not all(ok for _, ok in pieces) for name, _ in pieces}
+
+
+def _adamw_step(backend):
+    optimizer = backend.create_optimizer(SimpleNamespace(weight_decay=0.0, learning_rate=1e-2, adam_beta1=0.9,
+                                                         adam_beta2=0.999, adam_epsilon=1e-8))
+    loss = sum(p.float().sum() for _, p in backend.trainable())  # every weight moves by about lr (Adam)
+    loss.backward()
+    optimizer.step()  # its post-hook counts the weight version
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_is_visible_without_copy_and_sync_rebuilds_the_rest(one_process, tiny_vl_path, dtype):
+    from rollplex_trl.backends.megatron.mapped_weights import MappedRolloutWeights, backing_files
+    from rollplex_trl.backends.megatron.rollout_weights import StaleRolloutWeights
+
+    backend, rollout, records = _backend(tiny_vl_path, dtype)
+    assert isinstance(backend.rollout, MappedRolloutWeights)
+    classes = backend.rollout.classes()
+    params = dict(rollout.named_parameters())
+    assert set(classes) == set(params)
+    copied = {n for n, mode in classes.items() if mode == "buffer"}
+    assert copied == _must_copy(rollout)
+    for name, mode in classes.items():  # which file's pages hold each tensor (/proc/self/maps)
+        files = {f.rsplit("-", 2)[-2] + "-" + f.rsplit("-", 1)[-1] for f in backing_files(params[name].data)}
+        assert files == ({"buffer-0"} if mode == "buffer" else {"train-0"}), (name, files)
+
+    before = {n: p.detach().clone() for n, p in params.items()}
+    _adamw_step(backend)
+    trained = backend.policy.hf_state_dict()
+    with pytest.raises(StaleRolloutWeights, match="optimizer step 0, but 1 steps"):
+        backend.rollout.check_fresh()
+    for name, p in params.items():
+        assert not torch.equal(trained[name], before[name]), name  # every weight moved
+        # aliased: already the new weights, no sync ran; copied: still the old ones
+        assert torch.equal(p, trained[name] if name not in copied else before[name]), name
+
+    backend.sync_rollout()
+    assert all(torch.equal(p, trained[n]) for n, p in params.items())
+    sync = dict(records)
+    expect_copied = sum(params[n].numel() * params[n].element_size() for n in copied)
+    assert sync["rollplex/sync_bytes_copied"] == expect_copied == backend.rollout.bytes_copied_per_sync
+    assert sync["rollplex/sync_bytes_aliased"] == sum(p.numel() * p.element_size() for p in params.values()) \
+        - expect_copied
+
+
+def test_replaced_tensor_is_refused_and_rebound(one_process, tiny_vl_path):
+    backend, rollout, _ = _backend(tiny_vl_path)
+    from rollplex_trl.backends.megatron.rollout_weights import StaleRolloutWeights
+
+    embed = rollout.get_parameter("model.language_model.embed_tokens.weight")
+    embed.data = embed.data.clone()  # what a loader that assigns new tensors does
+    with pytest.raises(StaleRolloutWeights, match="embed_tokens.weight"):
+        backend.rollout.check_fresh()
+    backend.reload_from_rollout(rollout)  # resume: shards from the loaded weights, then bound again
+    backend.rollout.check_fresh()
+    _adamw_step(backend)
+    assert torch.equal(embed, backend.policy.hf_state_dict()["model.language_model.embed_tokens.weight"])
+
+
+def test_reasons_not_to_map(one_process, tiny_vl_path, monkeypatch):
+    from rollplex_trl.backends.megatron import mapped_weights
+    from rollplex_trl.backends.megatron.rollout_weights import LiveRolloutWeights
+
+    backend, rollout, _ = _backend(tiny_vl_path, mapping="off")
+    assert isinstance(backend.rollout, LiveRolloutWeights)
+    kwargs = dict(spec=backend.rollout.spec, options=backend.policy.options, rollout_model=rollout,
+                  tp_group=None, tp_rank=0)
+    mixed = [torch.nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))]
+    assert "several dtypes" in mapped_weights.unavailable_reason(train_params=mixed, **kwargs)
+    full = os.statvfs_result((4096, 4096, 1, 1, 1, 1, 1, 1, 0, 255))
+    monkeypatch.setattr(mapped_weights.os, "statvfs", lambda path: full)
+    assert "--shm-size" in mapped_weights.unavailable_reason(train_params=[], **kwargs)
+    # auto falls back to the views + rebuild path; on refuses with the reason
+    backend, rollout, _ = _backend(tiny_vl_path, mapping="auto")
+    assert isinstance(backend.rollout, LiveRolloutWeights)
+    with pytest.raises(RuntimeError, match=r"rollplex_weight_mapping='on' cannot map .*--shm-size"):
+        _backend(tiny_vl_path, mapping="on")
+
+
+def test_on_needs_the_megatron_backend():
+    from rollplex_trl import RollplexGRPOConfig
+
+    with pytest.raises(ValueError, match="rollplex_weight_mapping='on' needs rollplex_backend='megatron'"):
+        RollplexGRPOConfig(output_dir="/tmp/unused", rollplex_weight_mapping="on", report_to=[], use_cpu=True)
