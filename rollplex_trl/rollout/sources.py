@@ -59,8 +59,11 @@ def iter_sources(model: torch.nn.Module) -> Iterator[TrainerTensor]:
     place of the originals.
     """
     if not _is_peft(model):
+        # a model bound to another engine's training parameters (the Megatron backend's rollout model) changes at
+        # every optimizer step although none of its parameters requires grad
+        bound = bool(getattr(model, "rollplex_weights_bound_to", None))
         for name, param in model.named_parameters():
-            yield TrainerTensor(_clean(name), param, trainable=param.requires_grad)
+            yield TrainerTensor(_clean(name), param, trainable=param.requires_grad or bound)
         return
     prefix = getattr(model, "prefix", "lora_")
     deltas: dict[str, Callable[[], torch.Tensor] | None] = {}

@@ -173,6 +173,9 @@ class VLLMColocateEngine:
         blocker = None
         if self.config.tensor_parallel_size > 1:
             blocker = "vLLM holds only this rank's shard (tensor parallelism)"
+        bound = getattr(model, "rollplex_weights_bound_to", None)
+        if bound:  # aliasing would move the model's tensors into vLLM's storage, ending their binding
+            blocker = f"the trainer model's tensors are bound to {bound}"
         targets = VLLMTargets(self.model, iter_sources(model))
         if targets.skipped:
             logger.warning("weight sync: %d trainer tensors have no vLLM parameter and are not synced: %s",

@@ -56,9 +56,10 @@ def refuse_megatron_setup(config: Any, *, peft_config: Any, world_size: int, tra
                         "does the sharding (remove deepspeed/fsdp from the config or the accelerate launch config)")
     if peft_config is not None:
         problems.append("PEFT adapters are not supported on the Megatron backend yet (use rollplex_backend='hf')")
-    if config.use_vllm:
-        problems.append("use_vllm=True with rollplex_backend='megatron' is not wired yet: the rollout engine is the "
-                        "transformers model (use_vllm=False)")
+    if config.use_vllm and config.vllm_mode != "colocate":
+        problems.append(f"use_vllm=True with vllm_mode={config.vllm_mode!r}: the Megatron backend feeds the vLLM "
+                        "engine from the transformers model it keeps in sync with the shards, in each process; "
+                        "use vllm_mode='colocate' (or use_vllm=False)")
     if config.optim not in SUPPORTED_OPTIMIZERS:
         problems.append(f"optim={config.optim!r}: the Megatron backend builds torch's AdamW "
                         f"(optim one of {SUPPORTED_OPTIMIZERS})")
@@ -132,6 +133,8 @@ class MegatronBackend:
             p.requires_grad_(False)  # also keeps accelerate from wrapping it in DDP: gradients are ours to reduce
         self.policy.requires_grad_(True)
         self._rollout_model = rollout_model
+        # read by the vLLM engine's weight sync: it must copy from this model, not move its tensors into vLLM's
+        rollout_model.rollplex_weights_bound_to = "the Megatron training shards"
         self.rollout, not_mapped = self._bind_rollout(weight_mapping)
         if is_main_process:
             logger.warning("rollplex: Megatron backend, t=%d, data-parallel %d; %s%s", self.groups.tp_size,

@@ -134,3 +134,15 @@ def test_on_needs_the_megatron_backend():
 
     with pytest.raises(ValueError, match="rollplex_weight_mapping='on' needs rollplex_backend='megatron'"):
         RollplexGRPOConfig(output_dir="/tmp/unused", rollplex_weight_mapping="on", report_to=[], use_cpu=True)
+
+
+def test_vllm_server_mode_is_refused_colocate_is_not():
+    from rollplex_trl.trainers.megatron import refuse_megatron_setup
+
+    def config(**kw):
+        return SimpleNamespace(rollplex_backend="megatron", rollplex_tensor_parallel_size=1, deepspeed=None,
+                               fsdp=None, use_vllm=True, optim="adamw_torch", **kw)
+
+    with pytest.raises(ValueError, match="vllm_mode='server'.*use vllm_mode='colocate'"):
+        refuse_megatron_setup(config(vllm_mode="server"), peft_config=None, world_size=1, train_dataset=[])
+    refuse_megatron_setup(config(vllm_mode="colocate"), peft_config=None, world_size=1, train_dataset=[])

@@ -45,6 +45,17 @@ def _in_process(checkpoint, out: Path, tag: str) -> dict:
     return trainer_worker.run(str(checkpoint), str(out), "hf", 1, tag)
 
 
+def _one_process(checkpoint, out: Path, backend: str, tag: str, *extra: str) -> dict:
+    """The worker as its own 1-process run (for modes that patch the trainer's classes, kept out of pytest's)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    done = subprocess.run([sys.executable, str(WORKER), str(checkpoint), str(out), backend, "1", tag, *extra],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-8000:]
+    return json.loads((out / f"{tag}-rank0.json").read_text())
+
+
 def _close(a: list[dict], b: list[dict], rel: float) -> None:
     assert len(a) == len(b) == 3
     for step, (x, y) in enumerate(zip(a, b, strict=True)):
@@ -126,6 +137,19 @@ def _check_mapped_across_processes(result: dict, rank: int) -> None:
     assert sync and all(r["rollplex/sync_bytes_copied"] == binding["plan_copy_bytes"] > 0 for r in sync)
     assert all(r["rollplex/sync_bytes_aliased"] == binding["aliased_bytes"] > 8 * binding["plan_copy_bytes"]
                for r in sync)
+
+
+def test_tensor_parallel_2_through_the_vllm_path_learns_what_hf_learns(tiny_vl_path, tmp_path):
+    """use_vllm=True (colocate) on the Megatron backend: the engine syncs from the transformers model, which the
+    backend brings to the shards first (mapped), so the sampler's log-probs equal the Megatron model's own (TRL's
+    importance-sampling metric) and the run learns what the hf backend with the same vLLM path learns. The engine
+    is the main suite's stand-in (real vLLM: tests/vllm_cpu/test_vllm_megatron_cpu.py, t = 1)."""
+    reference = _one_process(tiny_vl_path, tmp_path, "hf", "hfv", "vllm")
+    ranks = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "tp2v", "vllm")
+    _close(ranks[0]["logs"], reference["logs"], 1e-4)
+    for result in ranks:
+        assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in result["logs"]), result["logs"]
+        assert result["rollout"]["mapped"] and result["rollout"]["unequal_to_trained"] == []
 
 
 def test_data_parallel_2_learns_what_hf_ddp_learns(tiny_vl_path, tmp_path):

@@ -12,7 +12,9 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     """mode: "" (fp32), "bf16" (TRL's defaults: bf16 autocast + gradient checkpointing), "save" (checkpoint at
     step 2, output_dir run-<tag>), "resume:<tag>" (resume from a copy of run-<tag>'s checkpoint-2), "overlap"
     (fp32, rollplex_overlap="on": the prefix jobs run in a worker thread while the rollout decodes), "views" (fp32,
-    rollplex_weight_mapping="off": views of local shards, the rest all-gathered)."""
+    rollplex_weight_mapping="off": views of local shards, the rest all-gathered), "vllm" (fp32, use_vllm=True in
+    colocate mode through the trainer's real vLLM path, with the main suite's stand-in engine: a sampler holding its
+    own copy of the weights, synced from the transformers model)."""
     sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..")]
     import torch
     from datasets import Dataset
@@ -27,6 +29,20 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     def reward(completions, **kwargs):
         return [float(len(c[0]["content"]) % 5) for c in completions]
 
+    vllm = mode == "vllm"
+    processor = None
+    if vllm:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "vllm_cpu"))
+        from transformers import AutoProcessor
+
+        from rollplex_trl.rollout.trl_vllm import RollplexVLLMGeneration
+
+        from vllm_helpers import StandInEngine
+
+        processor = AutoProcessor.from_pretrained(checkpoint)
+        tok = processor.tokenizer
+        RollplexVLLMGeneration._make_colocate_engine = lambda self, config, tp_group: StandInEngine(
+            self.model, processor=processor, pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id])
     bf16 = mode == "bf16"
     output_dir = f"{out}/run-{tag}"
     resume = None
@@ -44,13 +60,14 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None, rollplex_backend=backend,
         rollplex_tensor_parallel_size=tp, rollplex_overlap="on" if mode == "overlap" else "auto",
         rollplex_weight_mapping="off" if mode == "views" else "auto",
+        use_vllm=vllm, vllm_mode="colocate",
         # the hf backend's suffix with the prompt's K/V concatenated, as the Megatron backend's core attention does:
         # under bf16 the two backends then round the same sums alike (cascade's kernels round differently: bf16 step
         # 2 loss 2% apart instead of 5e-3; cascade itself is tested against the full forward in tests/prefix/)
         rollplex_suffix_attention="concat",
         rollplex_video_min_pixels=4 * 28 * 28, rollplex_video_max_pixels=56 * 84)
     trainer = RollplexGRPOTrainer(model=checkpoint, reward_funcs=reward, args=args,
-                                  train_dataset=Dataset.from_list(rows * 2))
+                                  train_dataset=Dataset.from_list(rows * 2), processing_class=processor)
     if backend == "hf":  # the reference runs: the weights before training (the tests compare updates)
         initial = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()}
         torch.save(initial, Path(out) / f"{tag}-rank{rank}-initial.pt")
@@ -70,7 +87,7 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     keys = ("loss", "kl", "grad_norm", "reward", "entropy")
     result = {"world": trainer.accelerator.num_processes,
               "logs": [{k: r.get(k) for k in keys} | {m: v for m, v in r.items() if m.startswith(
-                  ("rollplex/sync", "rollplex/overlap_active", "rollplex/prefix_s"))}
+                  ("rollplex/sync", "rollplex/overlap_active", "rollplex/prefix_s", "sampling/sampling_logp"))}
                        for r in trainer.state.log_history if "loss" in r],
               "steps": [r["step"] for r in trainer.state.log_history if "loss" in r]}
     if trainer.megatron is not None:
