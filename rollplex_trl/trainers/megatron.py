@@ -254,12 +254,18 @@ class MegatronBackend:
     # ---- gradients ----------------------------------------------------------------------------------------------
 
     def grad_norm(self, max_norm: float | None) -> torch.Tensor:
-        """Average over the DP group (once per step), then the global norm over TP shards; clip if max_norm > 0."""
-        from rollplex_trl.backends.megatron import average_data_parallel_gradients, clip_grad_norm_tensor_parallel
+        """Average over the DP group and give the TP peers the first rank's replicated gradients (once per step),
+        then the global norm over TP shards; clip if max_norm > 0."""
+        from rollplex_trl.backends.megatron import (
+            average_data_parallel_gradients,
+            clip_grad_norm_tensor_parallel,
+            share_replicated_gradients,
+        )
 
         params = [p for _, p in self.trainable()]
         if not self._reduced:
             average_data_parallel_gradients(params, self.groups)
+            share_replicated_gradients(params, self.groups)  # replicas step alike whatever the kernels rounded
             self._reduced = True
         return clip_grad_norm_tensor_parallel(params, max_norm, self.groups)
 

@@ -161,6 +161,19 @@ def equivalence_checks(path, t: int, record) -> None:
     record("grad norm == torch clip_grad_norm_ over HF grads", abs(norm.item() - ref_norm.item())
            <= 1e-5 * ref_norm.item() and abs(measured.item() - norm.item()) == 0.0,
            f"{norm.item():.6f} vs {ref_norm.item():.6f}", abs(norm.item() - ref_norm.item()) / ref_norm.item())
+    # replicated gradients that came out different on this rank (a nondeterministic kernel): the group's first
+    # rank's after share_replicated_gradients, the sharded ones untouched
+    from rollplex_trl.backends.megatron import share_replicated_gradients
+
+    replicated = [p for p in policy.parameters() if not getattr(p, "tensor_model_parallel", False)]
+    sharded = {id(p): p.grad.clone() for p in policy.parameters() if getattr(p, "tensor_model_parallel", False)}
+    kept = [p.grad.clone() for p in replicated]
+    for p in replicated:
+        p.grad.add_(1e-3 * groups.tp_rank)
+    share_replicated_gradients(policy.parameters(), groups, bucket_bytes=4096)
+    record("replicated grads: the first rank's on every rank",
+           all(torch.equal(p.grad, k) for p, k in zip(replicated, kept))
+           and all(torch.equal(p.grad, sharded[id(p)]) for p in policy.parameters() if id(p) in sharded))
     clipped = {n: p.grad for n, p in zip(hf_grads, ref_params)}
     want = megatron_state(policy.spec, policy.options, groups.tp_rank, clipped)
     worst = max(rel_err(p.grad, want[n].view_as(p.grad)) for n, p in policy.gpt.named_parameters())

@@ -24,7 +24,7 @@ CHECKS = ["groups", "hf_state_dict round trip is exact", "round trip in one-tens
           "megatron grads == HF grads in this rank's layout", "vision tower grads == HF grads",
           "grad norm == torch clip_grad_norm_ over HF grads", "clipped grads == torch's clipped HF grads",
           "logps bf16 autocast", "entropy bf16 autocast", "copy_into_hf: HF forward == megatron forward after a step",
-          "copy_into_hf bytes"]
+          "copy_into_hf bytes", "replicated grads: the first rank's on every rank"]
 
 
 def _assert_records(records: list[dict], case: str, check: str) -> list[dict]:

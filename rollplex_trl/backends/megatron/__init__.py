@@ -5,7 +5,11 @@ the install hint when it is missing.
 """
 
 import rollplex_trl.megatron_compat  # noqa: F401  version guard first
-from rollplex_trl.backends.megatron.grads import average_data_parallel_gradients, clip_grad_norm_tensor_parallel
+from rollplex_trl.backends.megatron.grads import (
+    average_data_parallel_gradients,
+    clip_grad_norm_tensor_parallel,
+    share_replicated_gradients,
+)
 from rollplex_trl.backends.megatron.logprobs import vocab_parallel_logps
 from rollplex_trl.backends.megatron.model import MegatronPolicy
 from rollplex_trl.backends.megatron.parallel import ParallelGroups, init_model_parallel, release_model_parallel
@@ -17,5 +21,6 @@ __all__ = [
     "clip_grad_norm_tensor_parallel",
     "init_model_parallel",
     "release_model_parallel",
+    "share_replicated_gradients",
     "vocab_parallel_logps",
 ]

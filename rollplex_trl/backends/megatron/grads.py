@@ -58,6 +58,30 @@ def average_data_parallel_gradients(params: Iterable[torch.nn.Parameter], groups
 
 
 @torch.no_grad()
+def share_replicated_gradients(params: Iterable[torch.nn.Parameter], groups: ParallelGroups,
+                               bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Give every TP rank the group's first rank's gradients of the replicated parameters (norms, row-parallel
+    biases, the replicated vision tower), one broadcast per flattened bucket.
+
+    They are equal in exact arithmetic, but a kernel whose rounding depends on scheduling or memory layout
+    (cuDNN's convolution backward, atomics) can make them differ in the last bits on different ranks; AdamW then
+    turns that into different replicas, which drift apart over a run and feed the TP layers different inputs. After
+    this every replica takes the same step, bit for bit. Call once per optimizer step, before clipping.
+    """
+    if groups.tp_size == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None and not getattr(p, "tensor_model_parallel", False)]
+    source = dist.get_global_rank(groups.tp_group, 0)
+    for bucket in _buckets(grads, bucket_bytes):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.broadcast(flat, src=source, group=groups.tp_group)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+@torch.no_grad()
 def clip_grad_norm_tensor_parallel(params: Iterable[torch.nn.Parameter], max_norm: float | None,
                                    groups: ParallelGroups) -> torch.Tensor:
     """The global L2 norm of the gradients of the whole (unsharded) model, and clip to ``max_norm`` like
