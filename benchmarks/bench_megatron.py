@@ -101,8 +101,15 @@ def _plan_bytes(model_path: Path, tp: int) -> dict:
     from rollplex_trl.sharding import model_spec_from_config, plan_sharding
     from rollplex_trl.sharding.shm import PAGE
 
+    import torch
+
+    page = PAGE
+    if torch.cuda.is_available():  # the CUDA VMM path maps granules, not 4 KiB pages
+        from rollplex_trl.memory.cuda_vmm import granularity
+
+        page = granularity(0, recommended=True)
     spec = model_spec_from_config(AutoConfig.from_pretrained(model_path))
-    device = plan_sharding(spec, mapping_options(sharding_options(tp), 4, PAGE)).devices[0]
+    device = plan_sharding(spec, mapping_options(sharding_options(tp), 4, page)).devices[0]
     copied = sum(t.copied_bytes for t in device.tensors)
     total = 4 * sum(g.numel for g in spec.groups)
     return {"aliased": total - copied, "copied": copied}
@@ -117,6 +124,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="whole runs per configuration (medians over all)")
     parser.add_argument("--quick", action="store_true", help="4 steps, 1 repeat")
     parser.add_argument("--max-tp", type=int, default=2, help="skip Megatron runs with a larger t (one GPU: 1)")
+    parser.add_argument("--weight-mapping", default="auto", choices=["auto", "on"],
+                        help="rollplex_weight_mapping of the mapped Megatron runs (on a GPU 'auto' does not map: "
+                             "'on' takes the never-run CUDA VMM path)")
     parser.add_argument("--out", default="benchmarks/results/megatron.json")
     args = parser.parse_args()
     if args.quick:
@@ -132,6 +142,7 @@ def main() -> None:
         data = write_synthetic_video_dataset(tmp / "data", SyntheticVideoConfig(num_samples=16, seed=0, num_frames=4,
                                                                                 height=56, width=56, fps=2))
         for name, backend, tp, share, mapping in [r for r in RUNS if r[2] <= args.max_tp]:
+            mapping = args.weight_mapping if backend == "megatron" and mapping != "off" else mapping
             steps, copied, aliased = [], [], []
             for repeat in range(args.repeats):
                 result = _run(model_path, data, tmp / f"r{repeat}", name, backend, tp, share, mapping, args)

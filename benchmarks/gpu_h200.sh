@@ -38,8 +38,9 @@ timeout 300 "$PY" benchmarks/bench_shared_prefix.py --preset "$preset" --quick "
 timeout 300 "$PY" benchmarks/bench_overlap.py --preset "$preset" "${overlap_args[@]}" \
     --out "$OUT/overlap_h200.json" 2>&1 | tail -n 12
 # The Megatron backend at t = 1 on the GPU (transformers rollout bound to the trained weights; megatron-core's own
-# CUDA path, no CPU shims). Never run on a GPU yet.
-timeout 300 "$PY" benchmarks/bench_megatron.py --preset "$preset" --quick --max-tp 1 \
+# CUDA path, no CPU shims), the rollout model mapped onto the shards through the driver's VMM
+# (rollplex_weight_mapping='on': live bytes per sync vs the plan's at 2 MiB granules). Never run on a GPU yet.
+timeout 300 "$PY" benchmarks/bench_megatron.py --preset "$preset" --quick --max-tp 1 --weight-mapping on \
     --out "$OUT/megatron_h200.json" 2>&1 | tail -n 8 || echo "megatron check failed (see above)"
 # Phase-aware memory on CUDA (pinned host buffers, side-stream copies, allocator peaks per phase): off / on / on +
 # activation offload side by side. Never run on a GPU yet.

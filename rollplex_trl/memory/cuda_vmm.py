@@ -338,6 +338,16 @@ class CudaFile:
     def bytes(self) -> torch.Tensor:
         return tensor_at(self.addr, self.size, self.device, owner=self)
 
+    def unlink(self) -> None:
+        """Stop handing the allocation to new peers (the POSIX file's unlink): every peer that needs it imported
+        it already; the memory lives until the last mapping goes."""
+        if self._server is not None:
+            self._server.close()  # an abstract socket: closing it removes the name
+            self._server = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
     def close(self) -> None:
         if self._server is not None:
             self._server.close()

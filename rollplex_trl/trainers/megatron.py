@@ -162,7 +162,7 @@ class MegatronBackend:
             train = [p for _, p in self.policy.named_parameters()]
             reason = mapped_weights.agree(mapped_weights.unavailable_reason(
                 spec=spec, options=self.policy.options, rollout_model=self._rollout_model, train_params=train,
-                tp_group=g.tp_group, tp_rank=g.tp_rank), g.tp_group, g.tp_size)
+                tp_group=g.tp_group, tp_rank=g.tp_rank, cuda_allowed=mode == "on"), g.tp_group, g.tp_size)
             if reason is None:
                 return mapped_weights.MappedRolloutWeights(spec, self.policy.options, self._rollout_model,
                                                            self._train_param, g.tp_rank, g.tp_group, g.tp_size,

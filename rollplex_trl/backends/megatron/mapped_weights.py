@@ -25,8 +25,9 @@ The files are unlinked as soon as every rank has mapped them: the mappings keep 
 run leaves nothing in /dev/shm. The mappings are never unmapped while the process lives (the optimizer, the
 transformers model and checkpoints may hold tensors that are views of them); the kernel frees them at exit.
 
-CPU only (shared-memory files + mmap). The executor's CUDA path (driver VMM, `memory/cuda_vmm.py`) is written but
-this binding has never run on a GPU, so the trainer does not select it there.
+Tested on CPU (shared-memory files + mmap). On CUDA the same binding runs on the executor's driver-VMM memory
+(`memory/cuda_vmm.py`: allocations exported by descriptor, peers' granules mapped into one range, 2 MiB pages):
+written, NEVER RUN (no GPU was lent), so `rollplex_weight_mapping="auto"` does not select it there; `"on"` does.
 """
 
 from __future__ import annotations
@@ -108,15 +109,27 @@ class _Shape:
         self.shape = shape
 
 
+def _memory(device: torch.device):
+    """The executor's memory backend for the rollout model's device."""
+    from rollplex_trl.sharding.executor import CpuMemory, CudaMemory
+
+    if device.type == "cuda":
+        return CudaMemory(device.index if device.index is not None else torch.cuda.current_device())
+    return CpuMemory(SHM_ROOT)
+
+
 def unavailable_reason(*, spec: ModelSpec, options: ShardingOptions, rollout_model: nn.Module,
                        train_params: list[nn.Parameter], tp_group: dist.ProcessGroup | None,
-                       tp_rank: int) -> str | None:
+                       tp_rank: int, cuda_allowed: bool = False) -> str | None:
     """Why this process cannot map its rollout weights onto the training shards (None: it can). Not a collective;
-    the caller agrees on the answer over the TP group (`agree`)."""
+    the caller agrees on the answer over the TP group (`agree`). `cuda_allowed`: take the never-run CUDA path."""
     device = next(rollout_model.parameters()).device
-    if device.type != "cpu":
-        return f"the rollout model is on {device} (the mapping has run on CPU only)"
-    if not os.path.isdir(SHM_ROOT):
+    if device.type == "cuda" and not cuda_allowed:
+        return ("the rollout model is on CUDA, where this mapping has never run (rollplex_weight_mapping='on' "
+                "takes the driver-VMM path)")
+    if device.type not in ("cpu", "cuda"):
+        return f"the rollout model is on {device}"
+    if device.type == "cpu" and not os.path.isdir(SHM_ROOT):
         return f"{SHM_ROOT} does not exist"
     dtypes = {p.dtype for p in train_params} | {p.dtype for p in rollout_model.parameters()}
     if len(dtypes) != 1:
@@ -124,11 +137,14 @@ def unavailable_reason(*, spec: ModelSpec, options: ShardingOptions, rollout_mod
     from rollplex_trl.sharding import shm
 
     esize = torch.empty(0, dtype=dtypes.pop()).element_size()
+    page = _memory(device).page if device.type == "cuda" else shm.PAGE
     try:
-        plan = plan_sharding(spec, mapping_options(options, esize, shm.PAGE))
+        plan = plan_sharding(spec, mapping_options(options, esize, page))
         plan_bindings(spec, plan, tp_rank, {n: p.shape for n, p in rollout_model.named_parameters()})
     except ValueError as err:
         return f"the plan cannot bind the rollout model: {err}"
+    if device.type == "cuda":
+        return None  # device memory: the arena replaces the parameters' own allocations
     need = plan.arena_sizes[tp_rank] + plan.devices[tp_rank].buffer_size
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     stat = os.statvfs(SHM_ROOT)
@@ -162,18 +178,18 @@ class MappedRolloutWeights:
     def __init__(self, spec: ModelSpec, options: ShardingOptions, rollout_model: nn.Module,
                  train_param: Callable[[ParamGroup, int, str], nn.Parameter], tp_rank: int,
                  tp_group: dist.ProcessGroup | None, tp_size: int, dp_rank: int) -> None:
-        from rollplex_trl.sharding import shm
-        from rollplex_trl.sharding.executor import CpuMemory, RolloutWeights, TrainingStorage
+        from rollplex_trl.sharding.executor import RolloutWeights, TrainingStorage
 
         self.tp_rank, self.tp_group, self.tp_size = tp_rank, tp_group, tp_size
-        dtype = next(rollout_model.parameters()).dtype
+        first = next(rollout_model.parameters())
+        dtype = first.dtype
+        memory = _memory(first.device)
         self.plan = plan_sharding(spec, mapping_options(options, torch.empty(0, dtype=dtype).element_size(),
-                                                        shm.PAGE))
+                                                        memory.page))
         self.device_plan = self.plan.devices[tp_rank]
         hf_params = dict(rollout_model.named_parameters())
         self.bindings = plan_bindings(spec, self.plan, tp_rank, {n: p.shape for n, p in hf_params.items()})
         session = self._session(dp_rank)
-        memory = CpuMemory(SHM_ROOT)
         self.storage = TrainingStorage(self.plan, tp_rank, memory, session, dtype)
         self.storage.adopt({e.name: train_param(spec.groups[e.group], e.spec, e.name)
                             for e in self.plan.arenas[tp_rank]})
