@@ -94,14 +94,13 @@ def _run(model_path: Path, data: Path, tmp: Path, name: str, backend: str, tp: i
 
 def _plan_bytes(model_path: Path, tp: int) -> dict:
     """What the mapping's plan copies per sync on rank 0, and the rest of the rollout model's bytes (fp32)."""
+    import torch
     from transformers import AutoConfig
 
     from rollplex_trl.backends.megatron.mapped_weights import mapping_options
     from rollplex_trl.backends.megatron.weights import sharding_options
     from rollplex_trl.sharding import model_spec_from_config, plan_sharding
     from rollplex_trl.sharding.shm import PAGE
-
-    import torch
 
     page = PAGE
     if torch.cuda.is_available():  # the CUDA VMM path maps granules, not 4 KiB pages
