@@ -45,7 +45,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rollplex_trl.backends.megatron.rollout_weights import StaleRolloutWeights, SyncStats, _contiguous_run, _hf_targets
+from rollplex_trl.backends.megatron.rollout_weights import (
+    SyncStats,
+    WeightVersionGuard,
+    _contiguous_run,
+    _hf_targets,
+)
 from rollplex_trl.sharding.models import ModelSpec, ParamGroup
 from rollplex_trl.sharding.plan import LayoutMaps, ShardingOptions, ShardingPlan, plan_sharding, rollout_specs
 
@@ -167,7 +172,7 @@ def agree(reason: str | None, tp_group: dist.ProcessGroup | None, tp_size: int) 
     return next((r for _, r in answers if r is not None), None)
 
 
-class MappedRolloutWeights:
+class MappedRolloutWeights(WeightVersionGuard):
     """Binds a transformers rollout model to the Megatron training parameters through shared memory (see the module
     docstring). Same interface as `LiveRolloutWeights`: `version`, `sync()`, `check_fresh()`, `table()`.
 
@@ -180,6 +185,7 @@ class MappedRolloutWeights:
                  tp_group: dist.ProcessGroup | None, tp_size: int, dp_rank: int) -> None:
         from rollplex_trl.sharding.executor import RolloutWeights, TrainingStorage
 
+        super().__init__()
         self.tp_rank, self.tp_group, self.tp_size = tp_rank, tp_group, tp_size
         first = next(rollout_model.parameters())
         dtype = first.dtype
@@ -199,9 +205,6 @@ class MappedRolloutWeights:
         self._barrier()  # every rank mapped what it needs
         self.storage.file.unlink()
         self.weights.buffer.unlink()
-        self.version = 0  # optimizer steps taken
-        self.synced_version = 0  # the version the rollout model holds
-        self._ptrs: list[tuple[str, nn.Parameter, int]] = []
         self.bind(rollout_model)
         self.last = SyncStats(bytes_aliased=self.bytes_aliased)
 
@@ -223,7 +226,7 @@ class MappedRolloutWeights:
         self._barrier()  # peers' shards are final (e.g. reloaded from a checkpoint)
         self.weights.sync()
         hf_params = dict(rollout_model.named_parameters())
-        self._ptrs = []
+        self._bound = []
         for b in self.bindings:
             param = hf_params[b.hf_name]
             rows = self.weights.tensors[b.rollout][b.start:b.start + b.rows]
@@ -232,13 +235,13 @@ class MappedRolloutWeights:
                 raise RuntimeError(f"rollout tensor {b.hf_name} differs from the training shards it would map: the "
                                    "two models were not built from the same weights")
             param.data = view
-            self._ptrs.append((b.hf_name, param, view.data_ptr()))
+            self._bound.append((b.hf_name, param, view.data_ptr()))
         self._barrier()  # no rank generates before every rank checked its views
 
     # ---- what the plan says ---------------------------------------------------------------------------------------
 
     def _bytes(self, copied: bool) -> int:
-        sizes = {name: p.numel() * p.element_size() for name, p, _ in self._ptrs}
+        sizes = {name: p.numel() * p.element_size() for name, p, _ in self._bound}
         return sum(sizes[b.hf_name] for b in self.bindings if (b.mode == "buffer") == copied)
 
     @property
@@ -270,24 +273,7 @@ class MappedRolloutWeights:
         """transformers name -> how its data is held: 'direct', 'mapped' (stitched pages) or 'buffer' (copied)."""
         return {b.hf_name: b.mode for b in self.bindings}
 
-    # ---- the on-policy barrier ----------------------------------------------------------------------------------
-
-    def optimizer_stepped(self) -> None:
-        self.version += 1
-
-    def check_aliases(self) -> None:
-        moved = [name for name, param, ptr in self._ptrs if param.data_ptr() != ptr]
-        if moved:
-            raise StaleRolloutWeights(f"rollout tensors {moved[:3]} (of {len(moved)}) no longer share storage with "
-                                      "the training shards they map; rebind the rollout model after replacing "
-                                      "its tensors")
-
-    def check_fresh(self) -> None:
-        self.check_aliases()
-        if self.synced_version != self.version:
-            raise StaleRolloutWeights(
-                f"the rollout model holds the weights of optimizer step {self.synced_version}, but {self.version} "
-                "steps were taken: generating now would be off-policy. Call sync() after each optimizer step.")
+    # ---- the on-policy barrier (the guard: WeightVersionGuard) --------------------------------------------------
 
     @torch.no_grad()
     def sync(self) -> SyncStats | None:

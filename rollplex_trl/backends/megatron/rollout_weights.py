@@ -38,6 +38,36 @@ class StaleRolloutWeights(RuntimeError):
     """The rollout engine was about to generate from weights older than the last optimizer step."""
 
 
+class WeightVersionGuard:
+    """The stale-weights guard both rollout bindings share: `version` counts optimizer steps, `synced_version` is
+    what the rollout model holds, and `_bound` records (name, parameter, data pointer) of every tensor whose data
+    must stay where the binding put it."""
+
+    def __init__(self) -> None:
+        self.version = 0  # optimizer steps taken
+        self.synced_version = 0  # the version the rollout model holds
+        self._bound: list[tuple[str, nn.Parameter, int]] = []
+
+    def optimizer_stepped(self) -> None:
+        self.version += 1
+
+    def check_aliases(self) -> None:
+        """A bound tensor whose data was replaced (e.g. by a loader assigning new tensors) no longer follows the
+        training parameters: fail with its name instead of generating from stale weights."""
+        moved = [name for name, param, ptr in self._bound if param.data_ptr() != ptr]
+        if moved:
+            raise StaleRolloutWeights(f"rollout tensors {moved[:3]} (of {len(moved)}) no longer share storage with "
+                                      "the training parameters they are bound to; rebind the rollout model after "
+                                      "replacing its tensors")
+
+    def check_fresh(self) -> None:
+        self.check_aliases()
+        if self.synced_version != self.version:
+            raise StaleRolloutWeights(
+                f"the rollout model holds the weights of optimizer step {self.synced_version}, but {self.version} "
+                "steps were taken: generating now would be off-policy. Call sync() after each optimizer step.")
+
+
 @dataclass
 class SyncStats:
     """What one sync moved (bytes) and how long it took; the aliased bytes moved nothing."""
@@ -85,7 +115,7 @@ def _contiguous_run(shard_rows: np.ndarray, wanted: np.ndarray) -> int | None:
     return None
 
 
-class LiveRolloutWeights:
+class LiveRolloutWeights(WeightVersionGuard):
     """Binds a transformers rollout model to the Megatron training parameters (see the module docstring).
 
     ``train_param(group, spec_index, name)`` returns this rank's training parameter for a train spec of a group
@@ -94,11 +124,11 @@ class LiveRolloutWeights:
 
     def __init__(self, spec: ModelSpec, options: ShardingOptions, rollout_model: nn.Module, train_param,
                  tp_rank: int, tp_group: dist.ProcessGroup | None) -> None:
+        super().__init__()
         self.spec, self.options, self.tp_rank, self.tp_group = spec, options, tp_rank, tp_group
         self.maps = LayoutMaps(options)
         hf_params = dict(rollout_model.named_parameters())
         self.aliased: list[tuple[str, int]] = []  # (name, bytes)
-        self._alias_ptrs: list[tuple[str, nn.Parameter, int]] = []  # where each aliased tensor must keep its data
         self.copy_groups: list[_CopyGroup] = []
         for group in spec.groups:
             shards = []
@@ -110,8 +140,6 @@ class LiveRolloutWeights:
                     left.append(target)
             if left:
                 self.copy_groups.append(_CopyGroup(group, left, shards))
-        self.version = 0  # optimizer steps taken
-        self.synced_version = 0  # the version the rollout model holds
         self.last = SyncStats(bytes_aliased=self.bytes_aliased)
 
     # ---- classification -----------------------------------------------------------------------------------------
@@ -132,7 +160,7 @@ class LiveRolloutWeights:
                                        "alias: the two models were not built from the same weights")
             target.param.data = view
             self.aliased.append((target.name, target.param.numel() * target.param.element_size()))
-            self._alias_ptrs.append((target.name, target.param, view.data_ptr()))
+            self._bound.append((target.name, target.param, view.data_ptr()))
             return True
         return False
 
@@ -152,25 +180,6 @@ class LiveRolloutWeights:
                 f"({self.bytes_copied_per_sync / 2**20:.1f} MiB per sync; e.g. {copied[:2]})")
 
     # ---- the on-policy barrier ----------------------------------------------------------------------------------
-
-    def optimizer_stepped(self) -> None:
-        self.version += 1
-
-    def check_aliases(self) -> None:
-        """An aliased tensor whose data was replaced (e.g. by a loader assigning new tensors) no longer follows the
-        training parameter: fail with its name instead of generating from stale weights."""
-        moved = [name for name, param, ptr in self._alias_ptrs if param.data_ptr() != ptr]
-        if moved:
-            raise StaleRolloutWeights(f"rollout tensors {moved[:3]} (of {len(moved)}) no longer share storage with "
-                                      "the training parameters they alias; rebind the rollout model after replacing "
-                                      "its tensors")
-
-    def check_fresh(self) -> None:
-        self.check_aliases()
-        if self.synced_version != self.version:
-            raise StaleRolloutWeights(
-                f"the rollout model holds the weights of optimizer step {self.synced_version}, but {self.version} "
-                "steps were taken: generating now would be off-policy. Call sync() after each optimizer step.")
 
     @torch.no_grad()
     def sync(self) -> SyncStats | None:
