@@ -140,6 +140,8 @@ class MegatronBackend:
             logger.warning("rollplex: Megatron backend, t=%d, data-parallel %d; %s%s", self.groups.tp_size,
                            self.groups.dp_size, self.rollout.table(),
                            f" (not mapped across processes: {not_mapped})" if not_mapped else "")
+            if not_mapped is None:  # the plan it executes, by parameter kind (logged once)
+                logger.info("rollplex: the rollout weight-mapping plan\n%s", self.rollout.plan.format())
         self._reduced = False  # whether this optimizer step's gradients were averaged over DP already
         # TP peers draw the same samples (the hf backend in one process draws with seed + 0, as DP rank 0 does here)
         from transformers import set_seed
