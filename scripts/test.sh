@@ -3,6 +3,8 @@
 # runs them), then the vLLM CPU tier in its own environment (scripts/test_vllm.sh; ROLLPLEX_SKIP_VLLM=1 skips it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# no pip cache: the two environments need ~8 GB already, and a CI machine's disk once ran out during the install
+export PIP_NO_CACHE_DIR=${PIP_NO_CACHE_DIR:-1}
 bash scripts/setup_env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 .venv/bin/python -m ruff check .
