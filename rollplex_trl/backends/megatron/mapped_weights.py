@@ -142,12 +142,12 @@ def unavailable_reason(*, spec: ModelSpec, options: ShardingOptions, rollout_mod
     from rollplex_trl.sharding import shm
 
     esize = torch.empty(0, dtype=dtypes.pop()).element_size()
-    page = _memory(device).page if device.type == "cuda" else shm.PAGE
     try:
+        page = _memory(device).page if device.type == "cuda" else shm.PAGE
         plan = plan_sharding(spec, mapping_options(options, esize, page))
         plan_bindings(spec, plan, tp_rank, {n: p.shape for n, p in rollout_model.named_parameters()})
-    except ValueError as err:
-        return f"the plan cannot bind the rollout model: {err}"
+    except Exception as err:  # any failure is a reason, never a raise: the TP peers are waiting in `agree`
+        return f"the plan cannot bind the rollout model: {type(err).__name__}: {err}"
     if device.type == "cuda":
         return None  # device memory: the arena replaces the parameters' own allocations
     need = plan.arena_sizes[tp_rank] + plan.devices[tp_rank].buffer_size
