@@ -61,6 +61,8 @@ def worker(argv: list[str]) -> None:
     trainer.train()
     logs = [r for r in trainer.state.log_history if "step_time" in r]
     result = {"step_s": [r["step_time"] for r in logs],
+              "decode_s": [r["rollplex/decode_s"] for r in logs if "rollplex/decode_s" in r],
+              "sync_s": [r["rollplex/weight_sync_s"] for r in logs if "rollplex/weight_sync_s" in r],
               "sync_bytes_copied": [r["rollplex/sync_bytes_copied"] for r in logs if "rollplex/sync_bytes_copied" in r],
               "sync_bytes_aliased": [r["rollplex/sync_bytes_aliased"] for r in logs
                                      if "rollplex/sync_bytes_aliased" in r]}
@@ -142,14 +144,18 @@ def main() -> None:
                                                                                 height=56, width=56, fps=2))
         for name, backend, tp, share, mapping in [r for r in RUNS if r[2] <= args.max_tp]:
             mapping = args.weight_mapping if backend == "megatron" and mapping != "off" else mapping
-            steps, copied, aliased = [], [], []
+            steps, copied, aliased, decode, sync = [], [], [], [], []
             for repeat in range(args.repeats):
                 result = _run(model_path, data, tmp / f"r{repeat}", name, backend, tp, share, mapping, args)
                 steps += result["step_s"][1:]  # the first step warms up
+                decode += result["decode_s"][1:]
+                sync += result["sync_s"][1:]
                 copied += result["sync_bytes_copied"]
                 aliased += result["sync_bytes_aliased"]
             row = {"run": name, "backend": backend, "t": tp, "share_prefix": share, "weight_mapping": mapping,
-                   "step_s": statistics.median(steps), "step_s_all": steps}
+                   "step_s": statistics.median(steps), "step_s_all": steps,
+                   "decode_s": statistics.median(decode) if decode else None,
+                   "weight_sync_s": statistics.median(sync) if sync else None}
             if backend == "megatron":
                 row |= {"sync_bytes_copied": statistics.median(copied) if copied else None,
                         "sync_bytes_aliased": statistics.median(aliased) if aliased else None}
@@ -163,7 +169,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": {"preset": args.preset, "steps": args.steps, "repeats": args.repeats,
                                         "G": args.G, "C": args.C, "cpus": os.cpu_count()}, "rows": rows}, indent=2))
-    print(f"{'run':<22} {'step s':>8} {'x hf off':>9} {'copied MiB/sync':>16} {'aliased MiB':>12} "
+    print(f"{'run':<22} {'step s':>8} {'decode s':>9} {'sync s':>7} {'x hf off':>9} {'copied MiB/sync':>16} "
+          f"{'aliased MiB':>12} "
           f"{'plan copied':>12} {'plan aliased':>13}")
     for row in rows:
         plan = row.get("plan") or {}
@@ -171,7 +178,11 @@ def main() -> None:
         def mib(x):
             return "-" if x is None else f"{x / 2**20:.2f}"
 
-        print(f"{row['run']:<22} {row['step_s']:>8.3f} {row['vs_hf_prefix_off']:>9.2f} "
+        def sec(x):
+            return "-" if x is None else f"{x:.3f}"
+
+        print(f"{row['run']:<22} {row['step_s']:>8.3f} {sec(row['decode_s']):>9} {sec(row['weight_sync_s']):>7} "
+              f"{row['vs_hf_prefix_off']:>9.2f} "
               f"{mib(row.get('sync_bytes_copied')):>16} {mib(row.get('sync_bytes_aliased')):>12} "
               f"{mib(plan.get('copied')):>12} {mib(plan.get('aliased')):>13}")
     print(f"written: {out}")
