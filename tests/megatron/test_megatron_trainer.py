@@ -95,11 +95,27 @@ def _without_timings(logs: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "rollplex/prefix_s"} for r in logs]
 
 
+def _mapping_changes_nothing(tmp_path: Path, mapped: str, views: str) -> None:
+    """rollplex_weight_mapping on vs off: the same training, bit for bit (logs but the sync's own bytes and the
+    prefix timing, final weights on both ranks); only what a sync moves differs."""
+    def learned(tag):
+        return [_without_timings([{k: v for k, v in r.items() if not k.startswith("rollplex/sync")} for r in logs])
+                for logs in (json.loads((tmp_path / f"{tag}-rank{rank}.json").read_text())["logs"]
+                             for rank in (0, 1))]
+
+    assert learned(mapped) == learned(views)
+    for rank in (0, 1):
+        _weights_close(tmp_path / f"{views}-rank{rank}-weights.pt", tmp_path / f"{mapped}-rank{rank}-weights.pt", 0.0)
+
+
 def test_tensor_parallel_2_learns_what_hf_learns(tiny_vl_path, tmp_path):
     """With the overlap on: the reference and actor prefix jobs run on Megatron (TP collectives) in the worker
     thread while the rollout decodes; the scoring passes and the actor window take their states."""
     reference = _in_process(tiny_vl_path, tmp_path, "hf1")
     ranks = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "tp2", "overlap")
+    views = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "tp2views", "overlap+views")
+    assert not views[0]["rollout"]["mapped"]
+    _mapping_changes_nothing(tmp_path, "tp2", "tp2views")
     assert all(r["world"] == 2 for r in ranks)
     # one TP group: every rank logs the same numbers
     assert _without_timings(ranks[0]["logs"]) == _without_timings(ranks[1]["logs"])
@@ -199,15 +215,18 @@ def _close_step(x: dict, y: dict) -> None:
 
 
 def test_tensor_parallel_2_under_trl_defaults_bf16(tiny_vl_path, tmp_path):
-    """bf16 autocast + gradient checkpointing (TRL's defaults). Measured when written: step 1 grad norm 7e-5
-    relative, entropy 6e-7; step 2 loss and KL 5e-3 relative (the bf16 rounding of two different kernels, amplified
-    by one AdamW step). By step 3 the rollouts sample different tokens (the rollout weights differ in the last bf16
-    bits), so only steps 1-2 are compared."""
+    """bf16 autocast + gradient checkpointing (TRL's defaults), with the weight mapping on and off (bit-identical).
+    Against the hf backend, measured when written: step 1 grad norm 7e-5 relative, entropy 6e-7; step 2 loss and KL
+    5e-3 relative (the bf16 rounding of two different kernels, amplified by one AdamW step). By step 3 the rollouts
+    sample different tokens (the rollout weights differ in the last bf16 bits), so only steps 1-2 are compared."""
     sys.path.insert(0, str(WORKER.parent))
     import trainer_worker
 
     reference = trainer_worker.run(str(tiny_vl_path), str(tmp_path), "hf", 1, "hfbf", "bf16")["logs"]
     ranks = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "mgbf", "bf16")
+    _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "mgbfviews", "bf16+views")
+    assert ranks[0]["rollout"]["mapped"] and ranks[0]["rollout"]["unequal_to_trained"] == []
+    _mapping_changes_nothing(tmp_path, "mgbf", "mgbfviews")
     assert _without_timings(ranks[0]["logs"]) == _without_timings(ranks[1]["logs"])
     ours = ranks[0]["logs"]
     assert ours[0]["loss"] == pytest.approx(reference[0]["loss"], abs=1e-6)

@@ -14,7 +14,8 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     (fp32, rollplex_overlap="on": the prefix jobs run in a worker thread while the rollout decodes), "views" (fp32,
     rollplex_weight_mapping="off": views of local shards, the rest all-gathered), "vllm" (fp32, use_vllm=True in
     colocate mode through the trainer's real vLLM path, with the main suite's stand-in engine: a sampler holding its
-    own copy of the weights, synced from the transformers model)."""
+    own copy of the weights, synced from the transformers model). Several join with "+" (e.g. "bf16+views").
+    The Megatron runs pin rollplex_weight_mapping ("on", or "off" with "views"): never an auto decision."""
     sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..")]
     import torch
     from datasets import Dataset
@@ -29,7 +30,8 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     def reward(completions, **kwargs):
         return [float(len(c[0]["content"]) % 5) for c in completions]
 
-    vllm = mode == "vllm"
+    flags = set(mode.split("+")) if mode else set()
+    vllm = "vllm" in flags
     processor = None
     if vllm:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "vllm_cpu"))
@@ -43,7 +45,7 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         tok = processor.tokenizer
         RollplexVLLMGeneration._make_colocate_engine = lambda self, config, tp_group: StandInEngine(
             self.model, processor=processor, pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id])
-    bf16 = mode == "bf16"
+    bf16 = "bf16" in flags
     output_dir = f"{out}/run-{tag}"
     resume = None
     if mode.startswith("resume:"):
@@ -56,10 +58,10 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         output_dir=output_dir, max_steps=3, per_device_train_batch_size=2, num_generations=2,
         gradient_accumulation_steps=2, max_completion_length=6, learning_rate=5e-3, beta=0.1, logging_steps=1,
         report_to=[], seed=5, use_cpu=True, bf16=bf16, gradient_checkpointing=bf16,
-        save_strategy="steps" if mode == "save" else "no", save_steps=2,
+        save_strategy="steps" if "save" in flags else "no", save_steps=2,
         ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None, rollplex_backend=backend,
-        rollplex_tensor_parallel_size=tp, rollplex_overlap="on" if mode == "overlap" else "auto",
-        rollplex_weight_mapping="off" if mode == "views" else "auto",
+        rollplex_tensor_parallel_size=tp, rollplex_overlap="on" if "overlap" in flags else "auto",
+        rollplex_weight_mapping="off" if "views" in flags else ("on" if backend == "megatron" else "auto"),
         use_vllm=vllm, vllm_mode="colocate",
         # the hf backend's suffix with the prompt's K/V concatenated, as the Megatron backend's core attention does:
         # under bf16 the two backends then round the same sums alike (cascade's kernels round differently: bf16 step
@@ -79,7 +81,7 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     trainer.train(resume_from_checkpoint=resume)
     if trainer.megatron is not None:
         trainer.megatron.sync_rollout()
-    if mode == "save":
+    if "save" in flags:
         trainer.save_model(f"{out}/final-{tag}")
     model = trainer.accelerator.unwrap_model(trainer.model)
     weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}

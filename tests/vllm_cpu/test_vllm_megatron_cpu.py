@@ -1,7 +1,7 @@
 """rollplex_backend="megatron" with use_vllm=True on vLLM's real CPU backend (colocate, one process, t = 1).
 
 The chain of weights: AdamW updates the Megatron shards; the transformers model is bound to them (mapped through
-shared memory, rollplex_weight_mapping auto) and brought to each step before the rollout; vLLM's engine syncs from
+shared memory, rollplex_weight_mapping="on") and brought to each step before the rollout; vLLM's engine syncs from
 that model (its CPU backend repacks most weights into its own layout, so that hop is the copy path: measured in
 rollplex/weight_sync_bytes). The references: TRL's importance-sampling metrics compare vLLM's sampling log-probs
 with the Megatron model's own log-probs of the same tokens (they agree only if vLLM sampled from the trained
@@ -36,7 +36,8 @@ def test_megatron_backend_trains_through_the_vllm_engine(small_qwen2_path, tmp_p
         output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, num_generations=2,
         max_completion_length=8, learning_rate=1e-2, beta=0.1, logging_steps=1, report_to=[], seed=3, use_cpu=True,
         bf16=False, save_strategy="no", use_vllm=True, vllm_mode="colocate", vllm_max_model_length=256,
-        vllm_gpu_memory_utilization=0.3, rollplex_vllm_dtype="float32", rollplex_backend="megatron")
+        vllm_gpu_memory_utilization=0.3, rollplex_vllm_dtype="float32", rollplex_backend="megatron",
+        rollplex_weight_mapping="on")  # pinned, not an auto decision
     trainer = RollplexGRPOTrainer(model=small_qwen2_path, reward_funcs=reward, args=args, train_dataset=dataset)
     assert isinstance(trainer.megatron.rollout, MappedRolloutWeights)
     trainer.train()
