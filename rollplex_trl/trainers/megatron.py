@@ -162,13 +162,13 @@ class MegatronBackend:
         reason = "rollplex_weight_mapping='off'"
         if mode != "off":
             train = [p for _, p in self.policy.named_parameters()]
-            reason = mapped_weights.agree(mapped_weights.unavailable_reason(
+            mapping = mapped_weights.plan_mapping(
                 spec=spec, options=self.policy.options, rollout_model=self._rollout_model, train_params=train,
-                tp_group=g.tp_group, tp_rank=g.tp_rank, cuda_allowed=mode == "on"), g.tp_group, g.tp_size)
+                tp_rank=g.tp_rank, cuda_allowed=mode == "on")
+            reason = mapped_weights.agree(mapping if isinstance(mapping, str) else None, g.tp_group, g.tp_size)
             if reason is None:
-                return mapped_weights.MappedRolloutWeights(spec, self.policy.options, self._rollout_model,
-                                                           self._train_param, g.tp_rank, g.tp_group, g.tp_size,
-                                                           g.dp_rank), None
+                return mapped_weights.MappedRolloutWeights(mapping, spec, self._rollout_model, self._train_param,
+                                                           g.tp_rank, g.tp_group, g.tp_size, g.dp_rank), None
             if mode == "on":
                 raise RuntimeError(f"rollplex_weight_mapping='on' cannot map the rollout weights: {reason}; use "
                                    "'auto' or 'off'")

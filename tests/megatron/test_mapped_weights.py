@@ -115,13 +115,13 @@ def test_reasons_not_to_map(one_process, tiny_vl_path, monkeypatch):
 
     backend, rollout, _ = _backend(tiny_vl_path, mapping="off")
     assert isinstance(backend.rollout, LiveRolloutWeights)
-    kwargs = dict(spec=backend.rollout.spec, options=backend.policy.options, rollout_model=rollout,
-                  tp_group=None, tp_rank=0)
+    kwargs = dict(spec=backend.rollout.spec, options=backend.policy.options, rollout_model=rollout, tp_rank=0)
     mixed = [torch.nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))]
-    assert "several dtypes" in mapped_weights.unavailable_reason(train_params=mixed, **kwargs)
+    assert "several dtypes" in mapped_weights.plan_mapping(train_params=mixed, **kwargs)
+    assert isinstance(mapped_weights.plan_mapping(train_params=[], **kwargs), mapped_weights.MappingPlan)
     full = os.statvfs_result((4096, 4096, 1, 1, 1, 1, 1, 1, 0, 255))
     monkeypatch.setattr(mapped_weights.os, "statvfs", lambda path: full)
-    assert "--shm-size" in mapped_weights.unavailable_reason(train_params=[], **kwargs)
+    assert "--shm-size" in mapped_weights.plan_mapping(train_params=[], **kwargs)
     # auto falls back to the views + rebuild path; on refuses with the reason
     backend, rollout, _ = _backend(tiny_vl_path, mapping="auto")
     assert isinstance(backend.rollout, LiveRolloutWeights)

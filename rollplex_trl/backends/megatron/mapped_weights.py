@@ -39,6 +39,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -80,7 +81,7 @@ def mapping_options(options: ShardingOptions, element_size: int, page_size: int)
 
 
 def plan_bindings(spec: ModelSpec, plan: ShardingPlan, device: int,
-                  hf_shapes: dict[str, torch.Size]) -> list[_Binding]:
+                  hf_params: dict[str, nn.Parameter]) -> list[_Binding]:
     """Where every transformers tensor lies in the plan's rollout tensors of one device; raises if one does not lie
     in a single rollout tensor as a run of whole rows (then this binding cannot serve that model)."""
     maps = LayoutMaps(plan.options)
@@ -88,7 +89,7 @@ def plan_bindings(spec: ModelSpec, plan: ShardingPlan, device: int,
     out = []
     for group in spec.groups:
         placed: dict[str, _Binding] = {}
-        targets = _hf_targets(group, {n: _Shape(s) for n, s in hf_shapes.items()})
+        targets = _hf_targets(group, hf_params)
         for si, (_spec, name) in enumerate(rollout_specs(group, plan.options)):
             tensor = next(tensors)
             if tensor.name != name:
@@ -107,13 +108,6 @@ def plan_bindings(spec: ModelSpec, plan: ShardingPlan, device: int,
     return out
 
 
-class _Shape:
-    """Stands in for a parameter where only the name lookup matters (`_hf_targets` before any data exists)."""
-
-    def __init__(self, shape: torch.Size) -> None:
-        self.shape = shape
-
-
 def _memory(device: torch.device):
     """The executor's memory backend for the rollout model's device."""
     from rollplex_trl.sharding.executor import CpuMemory, CudaMemory
@@ -123,11 +117,21 @@ def _memory(device: torch.device):
     return CpuMemory(SHM_ROOT)
 
 
-def unavailable_reason(*, spec: ModelSpec, options: ShardingOptions, rollout_model: nn.Module,
-                       train_params: list[nn.Parameter], tp_group: dist.ProcessGroup | None,
-                       tp_rank: int, cuda_allowed: bool = False) -> str | None:
-    """Why this process cannot map its rollout weights onto the training shards (None: it can). Not a collective;
-    the caller agrees on the answer over the TP group (`agree`). `cuda_allowed`: take the never-run CUDA path."""
+@dataclass
+class MappingPlan:
+    """What one process maps: the plan, where each transformers tensor lies in it, the memory backend."""
+
+    plan: ShardingPlan
+    bindings: list[_Binding]
+    memory: Any  # sharding.executor.CpuMemory or CudaMemory
+    dtype: torch.dtype
+
+
+def plan_mapping(*, spec: ModelSpec, options: ShardingOptions, rollout_model: nn.Module,
+                 train_params: list[nn.Parameter], tp_rank: int, cuda_allowed: bool = False) -> MappingPlan | str:
+    """This process's mapping of its rollout weights onto the training shards, or why there is none (a string).
+    Not a collective, never raises: the caller agrees on the answer over the TP group (`agree`), where a raise on
+    one rank would leave its peers waiting. `cuda_allowed`: take the never-run CUDA path."""
     device = next(rollout_model.parameters()).device
     if device.type == "cuda" and not cuda_allowed:
         return ("the rollout model is on CUDA, where this mapping has never run (rollplex_weight_mapping='on' "
@@ -139,25 +143,22 @@ def unavailable_reason(*, spec: ModelSpec, options: ShardingOptions, rollout_mod
     dtypes = {p.dtype for p in train_params} | {p.dtype for p in rollout_model.parameters()}
     if len(dtypes) != 1:
         return f"training and rollout parameters have several dtypes {sorted(map(str, dtypes))}"
-    from rollplex_trl.sharding import shm
-
-    esize = torch.empty(0, dtype=dtypes.pop()).element_size()
+    dtype = dtypes.pop()
     try:
-        page = _memory(device).page if device.type == "cuda" else shm.PAGE
-        plan = plan_sharding(spec, mapping_options(options, esize, page))
-        plan_bindings(spec, plan, tp_rank, {n: p.shape for n, p in rollout_model.named_parameters()})
-    except Exception as err:  # any failure is a reason, never a raise: the TP peers are waiting in `agree`
+        memory = _memory(device)
+        plan = plan_sharding(spec, mapping_options(options, torch.empty(0, dtype=dtype).element_size(), memory.page))
+        bindings = plan_bindings(spec, plan, tp_rank, dict(rollout_model.named_parameters()))
+    except Exception as err:  # any failure is a reason, never a raise
         return f"the plan cannot bind the rollout model: {type(err).__name__}: {err}"
-    if device.type == "cuda":
-        return None  # device memory: the arena replaces the parameters' own allocations
-    need = plan.arena_sizes[tp_rank] + plan.devices[tp_rank].buffer_size
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    stat = os.statvfs(SHM_ROOT)
-    free = stat.f_bavail * stat.f_frsize
-    if need * local_world * SHM_HEADROOM > free:
-        return (f"{SHM_ROOT} has {free / 2**20:.0f} MiB free, the mapping needs {need / 2**20:.0f} MiB per process "
-                f"x {local_world} processes (raise the shared-memory size, e.g. docker run --shm-size)")
-    return None
+    if device.type == "cpu":  # tmpfs: writing past its size is a SIGBUS, so check the room first
+        need = plan.arena_sizes[tp_rank] + plan.devices[tp_rank].buffer_size
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        stat = os.statvfs(SHM_ROOT)
+        free = stat.f_bavail * stat.f_frsize
+        if need * local_world * SHM_HEADROOM > free:
+            return (f"{SHM_ROOT} has {free / 2**20:.0f} MiB free, the mapping needs {need / 2**20:.0f} MiB per "
+                    f"process x {local_world} processes (raise the shared-memory size, e.g. docker run --shm-size)")
+    return MappingPlan(plan, bindings, memory, dtype)
 
 
 def agree(reason: str | None, tp_group: dist.ProcessGroup | None, tp_size: int) -> str | None:
@@ -177,26 +178,21 @@ class MappedRolloutWeights(WeightVersionGuard):
     docstring). Same interface as `LiveRolloutWeights`: `version`, `sync()`, `check_fresh()`, `table()`.
 
     ``train_param(group, spec_index, name)`` returns this rank's training parameter for a train spec of a group.
-    Call on every TP rank of the group together (barriers); `unavailable_reason` + `agree` first.
+    Call on every TP rank of the group together (barriers), with the `MappingPlan` of `plan_mapping` once
+    `agree` said every rank has one.
     """
 
-    def __init__(self, spec: ModelSpec, options: ShardingOptions, rollout_model: nn.Module,
+    def __init__(self, mapping: MappingPlan, spec: ModelSpec, rollout_model: nn.Module,
                  train_param: Callable[[ParamGroup, int, str], nn.Parameter], tp_rank: int,
                  tp_group: dist.ProcessGroup | None, tp_size: int, dp_rank: int) -> None:
         from rollplex_trl.sharding.executor import RolloutWeights, TrainingStorage
 
         super().__init__()
         self.tp_rank, self.tp_group, self.tp_size = tp_rank, tp_group, tp_size
-        first = next(rollout_model.parameters())
-        dtype = first.dtype
-        memory = _memory(first.device)
-        self.plan = plan_sharding(spec, mapping_options(options, torch.empty(0, dtype=dtype).element_size(),
-                                                        memory.page))
+        self.plan, self.bindings, memory = mapping.plan, mapping.bindings, mapping.memory
         self.device_plan = self.plan.devices[tp_rank]
-        hf_params = dict(rollout_model.named_parameters())
-        self.bindings = plan_bindings(spec, self.plan, tp_rank, {n: p.shape for n, p in hf_params.items()})
         session = self._session(dp_rank)
-        self.storage = TrainingStorage(self.plan, tp_rank, memory, session, dtype)
+        self.storage = TrainingStorage(self.plan, tp_rank, memory, session, mapping.dtype)
         self.storage.adopt({e.name: train_param(spec.groups[e.group], e.spec, e.name)
                             for e in self.plan.arenas[tp_rank]})
         self._barrier()  # every rank's arena exists and holds its shards
