@@ -112,6 +112,18 @@ def micro_step(trainer: Any) -> int:
     return trainer._step
 
 
+def add_to_step_time(trainer: Any, seconds: float) -> None:
+    """Count `seconds` of work done after TRL's `training_step` returned (the actor prefix's backward, which runs
+    once the window's last micro-step has its loss) into TRL's `step_time` metric, which TRL times around its own
+    `training_step` only. If this micro-step closed an optimizer step, TRL has just appended the step's time: add
+    to that entry; otherwise to the running sum TRL appends at the step's last micro-step."""
+    times = trainer._metrics["train"]["step_time"]
+    if trainer._step % trainer.current_gradient_accumulation_steps == 0 and times:
+        times[-1] += seconds
+    else:
+        trainer._current_train_step_time += seconds
+
+
 def pad_token_id(trainer: Any) -> int:
     """The tokenizer's pad id (TRL unwraps the processor's tokenizer into `_tokenizer`)."""
     return trainer._tokenizer.pad_token_id

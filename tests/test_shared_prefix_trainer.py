@@ -178,3 +178,37 @@ def test_auto_shares_only_where_the_modelled_cost_says_it_pays(tiny_qwen2_path, 
         assert a["rollplex/prefix_rows_per_prompt"] > 1.0
         for key in (k for k in KEYS if k in b):
             assert a[key] == b[key], key
+
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_step_time_counts_the_actor_prefix_backward(tiny_qwen2_path, tmp_path, monkeypatch, grad_accum):
+    """TRL times `step_time` around its own training_step; the actor prefix's backward runs after it returns (once
+    the window's last micro-step has its loss) and must count into the step. The window's closing call is made to
+    take 1000 s on a clock only Rollplex's trainer reads (no real waiting), so every logged step_time must exceed
+    1000 s, whatever the machine's speed (without the fix each is the real step time, well under 600 s)."""
+    import time
+    import types
+
+    from rollplex_trl.prefix.actor import ActorWindow
+    from rollplex_trl.trainers import grpo
+
+    offset = {"s": 0.0}
+    monkeypatch.setattr(grpo, "time", types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + offset["s"]))
+    closing_calls = []
+    original = ActorWindow.step_done
+
+    def slow_step_done(self, model):
+        closes = self.steps_left == 1 and bool(self.prefixes)  # this call runs the window's prefix backward
+        original(self, model)
+        if closes:
+            closing_calls.append(1)
+            offset["s"] += 1000.0
+
+    monkeypatch.setattr(ActorWindow, "step_done", slow_step_done)
+    trainer = RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=varied_reward, train_dataset=_text_dataset(),
+                                  args=_config(tmp_path, "on", max_steps=3, gradient_accumulation_steps=grad_accum))
+    trainer.train()
+    step_times = [r["step_time"] for r in trainer.state.log_history if "step_time" in r]
+    assert len(closing_calls) == 3, "the actor prefix window did not close once per optimizer step"
+    assert len(step_times) == 3 and all(1000.0 < t < 1600.0 for t in step_times), step_times

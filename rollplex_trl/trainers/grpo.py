@@ -451,7 +451,9 @@ class RollplexGRPOTrainer(GRPOTrainer):
         start = time.perf_counter()
         output = super().training_step(model, inputs, num_items_in_batch)
         if self.actor_window is not None:
+            after = time.perf_counter()
             self.actor_window.step_done(self._trained_model(self.model))
+            trl_compat.add_to_step_time(self, time.perf_counter() - after)  # part of the step TRL does not time
         if self.phase_memory is not None and (self.actor_window is None or not self.actor_window.is_open):
             self.phase_memory.activations_done(self._record)  # every backward that reads them has run
         self.timeline.add(Span("micro-step", "step", start, time.perf_counter()))  # includes the rollout
