@@ -18,3 +18,28 @@ def quiet_checkpoint(preset: str) -> Path:
 
     hf_logging.disable_progress_bar()
     return get_checkpoint("qwen2_5_vl", preset)
+
+
+def wall_step_clock():
+    """A TrainerCallback recording each optimizer step's wall-clock seconds end to end: rollout, scoring, backward,
+    the actor prefix's backward, clipping, the optimizer step, the weight sync and the callbacks (the time between
+    consecutive `on_step_end` calls, the first from `on_train_begin`). TRL's `step_time` metric times only its
+    `training_step` (not clipping, the optimizer step or the weight sync after it); this is what a user waits for."""
+    import time
+
+    from transformers import TrainerCallback
+
+    class WallStepClock(TrainerCallback):
+        def __init__(self):
+            self.steps: list[float] = []
+            self._last = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self._last = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            self.steps.append(now - self._last)
+            self._last = now
+
+    return WallStepClock()

@@ -1,8 +1,9 @@
 """Benchmark: the Megatron backend (t = 1, t = 2) against the `hf` backend on the same video GRPO workload.
 
 Every configuration trains the same local Qwen2.5-VL (preset `small` by default) on the synthetic video task for
-`--steps` steps with the same seed and batch, and reports the median of TRL's `step_time` (the first step is a
-warm-up and dropped), side by side in one run, with the ratios to the `hf` backend:
+`--steps` steps with the same seed and batch, and reports the median wall-clock step (rollout to optimizer step
+and weight sync, `bench_common.wall_step_clock`; the first step is a warm-up and dropped), side by side in one run,
+with the ratios to the `hf` backend, and TRL's `step_time` metric (its `training_step` only) beside it:
 
 - `hf, prefix off`: transformers + accelerate, TRL's full forward for every completion (the Megatron backend does
   not share the prefix in its scoring passes yet, so this is the like-for-like baseline),
@@ -44,6 +45,7 @@ def worker(argv: list[str]) -> None:
     """One training run (in a child process; under torchrun for t > 1); writes its step times and sync bytes."""
     model_path, data, out, backend, tp, share, mapping, steps, G, C = argv
     import torch
+    from bench_common import wall_step_clock
 
     from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
     from rollplex_trl.data import accuracy_reward, format_reward, load_video_r1
@@ -58,9 +60,11 @@ def worker(argv: list[str]) -> None:
         rollplex_video_max_frames=4, rollplex_video_min_pixels=28 * 28 * 4, rollplex_video_max_pixels=56 * 56)
     trainer = RollplexGRPOTrainer(model=model_path, reward_funcs=[accuracy_reward, format_reward], args=config,
                                   train_dataset=load_video_r1(data))
+    clock = wall_step_clock()
+    trainer.add_callback(clock)
     trainer.train()
     logs = [r for r in trainer.state.log_history if "step_time" in r]
-    result = {"step_s": [r["step_time"] for r in logs],
+    result = {"step_s": clock.steps, "step_time_metric_s": [r["step_time"] for r in logs],
               "decode_s": [r["rollplex/decode_s"] for r in logs if "rollplex/decode_s" in r],
               "sync_s": [r["rollplex/weight_sync_s"] for r in logs if "rollplex/weight_sync_s" in r],
               "sync_bytes_copied": [r["rollplex/sync_bytes_copied"] for r in logs if "rollplex/sync_bytes_copied" in r],
@@ -144,16 +148,18 @@ def main() -> None:
                                                                                 height=56, width=56, fps=2))
         for name, backend, tp, share, mapping in [r for r in RUNS if r[2] <= args.max_tp]:
             mapping = args.weight_mapping if backend == "megatron" and mapping != "off" else mapping
-            steps, copied, aliased, decode, sync = [], [], [], [], []
+            steps, metric, copied, aliased, decode, sync = [], [], [], [], [], []
             for repeat in range(args.repeats):
                 result = _run(model_path, data, tmp / f"r{repeat}", name, backend, tp, share, mapping, args)
                 steps += result["step_s"][1:]  # the first step warms up
+                metric += result["step_time_metric_s"][1:]
                 decode += result["decode_s"][1:]
                 sync += result["sync_s"][1:]
                 copied += result["sync_bytes_copied"]
                 aliased += result["sync_bytes_aliased"]
             row = {"run": name, "backend": backend, "t": tp, "share_prefix": share, "weight_mapping": mapping,
                    "step_s": statistics.median(steps), "step_s_all": steps,
+                   "step_time_metric_s": statistics.median(metric),
                    "decode_s": statistics.median(decode) if decode else None,
                    "weight_sync_s": statistics.median(sync) if sync else None}
             if backend == "megatron":
@@ -163,13 +169,16 @@ def main() -> None:
                 row["plan"] = _plan_bytes(model_path, tp)
             rows.append(row)
     base = rows[0]["step_s"]
+    default = next((r["step_s"] for r in rows if r["backend"] == "hf" and r["share_prefix"] != "off"), None)
     for row in rows:
         row["vs_hf_prefix_off"] = row["step_s"] / base
+        row["vs_hf"] = row["step_s"] / default if default else None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": {"preset": args.preset, "steps": args.steps, "repeats": args.repeats,
                                         "G": args.G, "C": args.C, "cpus": os.cpu_count()}, "rows": rows}, indent=2))
-    print(f"{'run':<22} {'step s':>8} {'decode s':>9} {'sync s':>7} {'x hf off':>9} {'copied MiB/sync':>16} "
+    print(f"{'run':<22} {'step s':>8} {'metric s':>9} {'decode s':>9} {'sync s':>7} {'x hf off':>9} {'x hf':>6} "
+          f"{'copied MiB/sync':>16} "
           f"{'aliased MiB':>12} "
           f"{'plan copied':>12} {'plan aliased':>13}")
     for row in rows:
@@ -181,8 +190,9 @@ def main() -> None:
         def sec(x):
             return "-" if x is None else f"{x:.3f}"
 
-        print(f"{row['run']:<22} {row['step_s']:>8.3f} {sec(row['decode_s']):>9} {sec(row['weight_sync_s']):>7} "
-              f"{row['vs_hf_prefix_off']:>9.2f} "
+        print(f"{row['run']:<22} {row['step_s']:>8.3f} {row['step_time_metric_s']:>9.3f} {sec(row['decode_s']):>9} "
+              f"{sec(row['weight_sync_s']):>7} "
+              f"{row['vs_hf_prefix_off']:>9.2f} {row['vs_hf'] or 0:>6.2f} "
               f"{mib(row.get('sync_bytes_copied')):>16} {mib(row.get('sync_bytes_aliased')):>12} "
               f"{mib(plan.get('copied')):>12} {mib(plan.get('aliased')):>13}")
     print(f"written: {out}")

@@ -6,8 +6,9 @@ TRL has no video path, so the workload is an image one: the `small` local Qwen2.
 (TRL's defaults unless `--fp32`: bf16 autocast, gradient checkpointing, beta = 0, loss "dapo"), the same data, seed
 and reward; Rollplex runs its defaults (shared prefix with cascade suffix attention, shared-prefix decoding from
 G = 8, the serial overlap schedule on CPU). Runs alternate TRL, Rollplex, TRL, ... (`--repeats` each); each run's
-step time is the median of TRL's `step_time` over its steps after the first; the table shows the medians over runs
-and their ratio.
+step time is the median over its steps after the first of the wall-clock step (rollout to optimizer step and weight
+sync: `bench_common.wall_step_clock`); the table shows the medians over runs and their ratio, and TRL's own
+`step_time` metric (its `training_step` only: no clipping or optimizer step) beside it.
 
 Usage:  .venv/bin/python benchmarks/bench_vs_trl.py [--generations 8] [--completion-length 32] [--repeats 2]
 """
@@ -21,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_common import quiet_checkpoint
+from bench_common import quiet_checkpoint, wall_step_clock
 
 
 def _image_dataset(num_prompts: int, size: int, seed: int = 0):
@@ -63,10 +64,13 @@ def _run(kind: str, model_path: Path, dataset, tmp: Path, args, index: int) -> d
     config, trainer_class = ((GRPOConfig(**common), GRPOTrainer) if kind == "trl"
                              else (RollplexGRPOConfig(**common), RollplexGRPOTrainer))
     trainer = trainer_class(model=str(model_path), reward_funcs=[answer_reward], args=config, train_dataset=dataset)
+    clock = wall_step_clock()
+    trainer.add_callback(clock)
     trainer.train()
-    all_steps = [r["step_time"] for r in trainer.state.log_history if "step_time" in r]
-    steps = all_steps[1:]  # drop the warm-up step
-    return {"step_s": statistics.median(steps), "steps": steps, "first_step_s": all_steps[0],
+    trl_step_time = [r["step_time"] for r in trainer.state.log_history if "step_time" in r][1:]
+    steps = clock.steps[1:]  # drop the warm-up step
+    return {"step_s": statistics.median(steps), "steps": steps, "first_step_s": clock.steps[0],
+            "trl_step_time_s": statistics.median(trl_step_time),
             "num_tokens": max(r.get("num_tokens", 0) for r in trainer.state.log_history)}
 
 
@@ -104,7 +108,9 @@ def main() -> None:
                        "repeats": args.repeats, "precision": "fp32" if args.fp32 else "bf16 autocast + checkpointing",
                        "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
                        "torch": torch.__version__},
-              "runs": runs, "trl_step_s": trl_s, "rollplex_step_s": ours_s, "ratio": trl_s / ours_s}
+              "runs": runs, "trl_step_s": trl_s, "rollplex_step_s": ours_s, "ratio": trl_s / ours_s,
+              "step_time_metric": {kind: statistics.median(r["trl_step_time_s"] for r in rs)
+                                   for kind, rs in runs.items()}}
     if args.compile_decode:
         compiled_s = statistics.median(r["step_s"] for r in runs["rollplex_compiled"])
         result.update(rollplex_compiled_step_s=compiled_s, ratio_compiled=trl_s / compiled_s,
@@ -113,10 +119,13 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print()
-    print("| workload | G | C | prompt share | trl.GRPOTrainer step (s) | RollplexGRPOTrainer step (s) | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    metric = result["step_time_metric"]
+    print("| workload | G | C | prompt share | trl.GRPOTrainer step (s) | RollplexGRPOTrainer step (s) | ratio | "
+          "TRL's `step_time` metric, trl / rollplex (s) |")
+    print("|---|---|---|---|---|---|---|---|")
     print(f"| image {args.image_size}² ({result['meta']['precision']}) | {args.generations} | "
-          f"{args.completion_length} | {share:.0%} | {trl_s:.3f} | {ours_s:.3f} | **{trl_s / ours_s:.2f}×** |")
+          f"{args.completion_length} | {share:.0%} | {trl_s:.3f} | {ours_s:.3f} | **{trl_s / ours_s:.2f}×** | "
+          f"{metric['trl']:.3f} / {metric['rollplex']:.3f} |")
     if args.compile_decode:
         print(f"| same, `rollplex_compile_decode=\"on\"` (first step: {result['rollplex_compiled_first_step_s']}) | "
               f"{args.generations} | {args.completion_length} | {share:.0%} | {trl_s:.3f} | "

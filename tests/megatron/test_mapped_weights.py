@@ -54,7 +54,8 @@ def _must_copy(rollout) -> set[str]:
 
 def _adamw_step(backend):
     optimizer = backend.create_optimizer(SimpleNamespace(weight_decay=0.0, learning_rate=1e-2, adam_beta1=0.9,
-                                                         adam_beta2=0.999, adam_epsilon=1e-8))
+                                                         adam_beta2=0.999, adam_epsilon=1e-8,
+                                                         optim="adamw_torch_fused"))
     loss = sum(p.float().sum() for _, p in backend.trainable())  # every weight moves by about lr (Adam)
     loss.backward()
     optimizer.step()  # its post-hook counts the weight version

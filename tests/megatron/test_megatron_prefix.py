@@ -95,8 +95,9 @@ def test_single_process_group_of_four(one_process, tiny_vl_path):
 
 
 def test_full_path_unchanged_and_inert_hook(one_process, tiny_vl_path):
-    """GPTModel's core attention is PrefixCoreAttention, inert outside a pass: the full forward equals one through
-    megatron's own DotProductAttention bit for bit (same weights)."""
+    """GPTModel's core attention is PrefixCoreAttention, inert outside a pass: with its SDPA path off the full
+    forward equals one through megatron's own DotProductAttention bit for bit (same weights); with it on (the
+    default) within float tolerance."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel
@@ -107,15 +108,61 @@ def test_full_path_unchanged_and_inert_hook(one_process, tiny_vl_path):
     assert all(type(m) is PrefixCoreAttention and m.prefix_hook is None for m in modules)
     batch = mw.video_batch(tiny_vl_path)
     with torch.no_grad():
-        got, _ = mw.policy_logps(policy, batch)
+        sdpa, _ = mw.policy_logps(policy, batch)
         for m in modules:
+            m.use_sdpa = False
+        unfused, _ = mw.policy_logps(policy, batch)
+        for m in modules:
+            del m.use_sdpa
             m.__class__ = DotProductAttention
         try:
             want, _ = mw.policy_logps(policy, batch)
         finally:
             for m in modules:
                 m.__class__ = PrefixCoreAttention
-    assert torch.equal(got, want)
+    assert torch.equal(unfused, want)
+    assert not torch.equal(sdpa, want), "the SDPA path did not run"
+    assert (sdpa - want).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("shape", ["prefix", "suffix"])
+def test_sdpa_core_attention_equals_dot_product_attention(one_process, tiny_vl_path, autocast, shape):
+    """The fused path against megatron's DotProductAttention (the reference) on one layer: 4 query heads over 2 KV
+    groups, a left-padded row (fully masked query rows), the full pass's causal mask ("prefix") or the suffix's
+    (S queries after P-1 cached keys); outputs and the q/k/v gradients, on the real (unpadded) query rows."""
+    from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel
+    from rollplex_trl.backends.megatron.prefix import _core_attentions
+
+    module = _core_attentions(MegatronPolicy(mw.load_hf(tiny_vl_path), init_model_parallel(1)))[0]
+    heads, groups = module.num_attention_heads_per_partition, module.num_query_groups_per_partition
+    assert heads > groups, "the tiny model has no GQA: the test would not cover the head grouping"
+    hd, b = module.hidden_size_per_attention_head, 3
+    sk = 23
+    sq = sk if shape == "prefix" else 6
+    gen = torch.Generator().manual_seed(0)
+    q0 = torch.randn(sq, b, heads, hd, generator=gen)
+    k0, v0 = (torch.randn(sk, b, groups, hd, generator=gen) for _ in range(2))
+    pad = torch.zeros(b, sk, dtype=torch.bool)
+    pad[1, :7] = True  # row 1 left-padded: its first query rows (prefix) see no key
+    mask = torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1)[None, None] | pad[:, None, None, :]
+    real = ~pad[:, sk - sq:].T  # [sq, b]: query rows that are tokens
+
+    def run(use_sdpa):
+        module.use_sdpa = use_sdpa
+        q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = module(q, k, v, mask)
+        (out.float().view(sq, b, heads, hd) * real[..., None, None]).square().sum().backward()
+        del module.use_sdpa
+        return out.float().view(sq, b, -1)[real], q.grad[real], k.grad, v.grad
+
+    got, want = run(True), run(False)
+    tol = 3e-2 if autocast else 1e-5  # bf16: the two kernels round differently (values of order 1)
+    for name, a, w in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
+        assert torch.isfinite(a).all(), name
+        err = ((a - w).norm() / w.norm()).item() if autocast else (a - w).abs().max().item()
+        assert err <= tol, f"{name}: {err}"
 
 
 def test_precomputed_states(one_process, tiny_vl_path):

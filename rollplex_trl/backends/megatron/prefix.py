@@ -51,20 +51,49 @@ if TYPE_CHECKING:
 
 
 class PrefixCoreAttention(DotProductAttention):
-    """megatron-core's ``DotProductAttention`` whose key/value pass through ``prefix_hook`` when one is set.
+    """megatron-core's ``DotProductAttention`` whose key/value pass through ``prefix_hook`` when one is set, and
+    whose attention runs as one ``scaled_dot_product_attention`` call where it can.
 
     ``prefix_hook(module, key, value) -> (key, value)`` (sequence-first ``[s, b, groups, hd]``, RoPE applied) is set
     on the instances for the duration of a prefix or suffix pass by :func:`_hooked`; the class default ``None``
-    leaves the forward exactly DotProductAttention's."""
+    leaves the keys and values DotProductAttention's.
+
+    Why SDPA: DotProductAttention materialises the scores (baddbmm), masks and softmaxes them as separate ops and
+    repeats the K/V heads for GQA; torch's fused kernel (what the hf backend's attention runs) does the same
+    arithmetic in one pass, 1.3-3x faster forward + backward on CPU for these shapes. Same semantics: the boolean
+    mask (True = masked) becomes megatron's -10000 fill as an additive mask, so a fully masked (padding) query row
+    stays finite as in megatron (softmax of the raw scores instead of uniform: such rows feed no real token). It
+    applies with a boolean mask and none of what the fused kernel lacks (dropout in training, a softmax offset,
+    sliding windows, attention bias, packed sequences); otherwise, or with ``use_sdpa = False``,
+    DotProductAttention's own path runs (tests/megatron compare the two)."""
 
     prefix_hook = None
+    use_sdpa = True
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if self.prefix_hook is not None:
             key, value = self.prefix_hook(self, key, value)
+        if self._sdpa_applies(attention_mask, attention_bias, packed_seq_params):
+            return self._sdpa(query, key, value, attention_mask)
         return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+
+    def _sdpa_applies(self, attention_mask, attention_bias, packed_seq_params) -> bool:
+        dropout = self.attention_dropout.p if self.training else 0.0
+        return (self.use_sdpa and isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
+                and attention_bias is None and packed_seq_params is None and dropout == 0.0
+                and self.softmax_offset is None and self.scale_mask_softmax.window_size is None)
+
+    def _sdpa(self, query, key, value, attention_mask):
+        # [s, b, heads, hd] -> [b, heads, s, hd]; GQA by the kernel's own head grouping (no repeated K/V)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        additive = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(attention_mask,
+                                                                                                  -10000.0)
+        context = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=additive, scale=self.softmax_scale, enable_gqa=k.size(1) != q.size(1))
+        # -> [s, b, heads * hd], DotProductAttention's output layout
+        return context.permute(2, 0, 1, 3).reshape(query.size(0), query.size(1), self.hidden_size_per_partition)
 
 
 def _core_attentions(policy: MegatronPolicy) -> list[PrefixCoreAttention]:
