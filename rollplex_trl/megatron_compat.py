@@ -6,13 +6,16 @@ What lives here, each with why:
 - the supported version range (checked at import, with the install hint);
 - :func:`apply_cpu_shims`: what megatron-core 0.16 needs to run on a machine without CUDA. Every shim is applied
   only when ``torch.cuda.is_available()`` is False, is idempotent, and patches an attribute of a megatron-core module
-  or class (never a torch global), so code outside megatron-core sees torch unchanged.
+  or class (never a torch global), so code outside megatron-core sees torch unchanged;
+- :func:`route_tensor_parallel_all_reduce`: megatron-core's tensor-parallel all-reduces of one group through
+  another implementation (the shared-memory all-reduce of backends/megatron/shm_all_reduce.py).
 """
 
 from __future__ import annotations
 
 import importlib
 import types
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
@@ -151,3 +154,94 @@ def apply_cpu_shims() -> list[str]:
     for shim in SHIMS.values():
         shim()
     return list(SHIMS)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Tensor-parallel all-reduce routing
+# ------------------------------------------------------------------------------------------------------------------
+
+# Modules whose TP sums call torch.distributed.all_reduce: mappings._reduce (row-parallel outputs, the vocab-parallel
+# embedding, copy_to_tensor_model_parallel_region's backward) and layers (the column-parallel linears' backward
+# all-reduces its input gradient itself, async: LinearWithGradAccumulationAndAsyncCommunication, and
+# LinearWithFrozenWeight).
+ALL_REDUCE_MODULES = ("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers")
+
+# (group, all_reduce) pairs taken by _RoutedDistributed.all_reduce; every other call goes to torch.distributed
+_ROUTES: list[tuple[object, Callable[[torch.Tensor], torch.Tensor]]] = []
+
+
+class _DoneWork:
+    """The handle of an all-reduce that already finished (megatron waits on the async one's handle)."""
+
+    @staticmethod
+    def wait(*args, **kwargs) -> bool:
+        return True
+
+    @staticmethod
+    def is_completed() -> bool:
+        return True
+
+
+class _RoutedDistributed(types.ModuleType):
+    """``torch.distributed`` as seen from megatron's TP modules: a SUM all-reduce over a routed group (a contiguous
+    CPU tensor) goes to its route, synchronously; everything else is torch.distributed's."""
+
+    def __init__(self):
+        super().__init__("torch.distributed")
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        sum_op = op is None or op == torch.distributed.ReduceOp.SUM
+        if sum_op and tensor.device.type == "cpu" and tensor.is_contiguous():
+            for routed, all_reduce in _ROUTES:
+                if routed is group:
+                    all_reduce(tensor)
+                    return _DoneWork() if async_op else None
+        kwargs = {} if op is None else {"op": op}
+        return torch.distributed.all_reduce(tensor, group=group, async_op=async_op, **kwargs)
+
+
+class _TorchProxy(types.ModuleType):
+    """``torch`` with one attribute overridden (set on the instance); every other name is torch's."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+_ROUTED = _RoutedDistributed()
+
+
+def route_tensor_parallel_all_reduce(group, all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
+    """Send megatron-core's tensor-parallel SUM all-reduces over ``group`` through ``all_reduce`` (in place, returns
+    its argument); returns the function that undoes it.
+
+    Module-scoped, as the CPU shims: the global name ``torch`` of the modules in :data:`ALL_REDUCE_MODULES` is (or
+    already was, on CPU: :class:`_TorchOnCpu`) a proxy whose ``distributed`` is :class:`_RoutedDistributed`, so
+    only megatron's TP code sees the route, and it computes exactly what it did: the same tensors summed at the
+    same places (an async all-reduce returns a finished handle)."""
+    for name in ALL_REDUCE_MODULES:
+        module = importlib.import_module(name)
+        if module.torch is torch:  # not shimmed for the CPU (a GPU machine): a proxy of its own
+            module.torch = _TorchProxy()
+        module.torch.distributed = _ROUTED
+    route = (group, all_reduce)
+    _ROUTES.append(route)
+
+    def undo() -> None:
+        if route in _ROUTES:
+            _ROUTES.remove(route)
+        if _ROUTES:
+            return
+        for name in ALL_REDUCE_MODULES:
+            module = importlib.import_module(name)
+            module.torch.__dict__.pop("distributed", None)
+            if isinstance(module.torch, _TorchProxy):
+                module.torch = torch
+
+    return undo

@@ -211,7 +211,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
         return MegatronBackend(
             rollout_model=self.accelerator.unwrap_model(self.model), ref_model=ref,
             tensor_parallel_size=self.rollplex["rollplex_tensor_parallel_size"],
-            weight_mapping=self.rollplex["rollplex_weight_mapping"], seed=self.args.seed,
+            weight_mapping=self.rollplex["rollplex_weight_mapping"],
+            shm_all_reduce=self.rollplex["rollplex_shm_all_reduce"], seed=self.args.seed,
             record=lambda key, value: trl_compat.metrics(self, True)[key].append(value),
             is_main_process=self.accelerator.is_main_process)
 

@@ -116,7 +116,7 @@ class MegatronBackend:
 
     def __init__(self, *, rollout_model: nn.Module, ref_model: nn.Module | None, tensor_parallel_size: int,
                  seed: int, record: Callable[[str, float], None], is_main_process: bool,
-                 weight_mapping: str = "auto") -> None:
+                 weight_mapping: str = "auto", shm_all_reduce: str = "auto") -> None:
         from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel
 
         self.groups = init_model_parallel(tensor_parallel_size)
@@ -136,10 +136,11 @@ class MegatronBackend:
         # read by the vLLM engine's weight sync: it must copy from this model, not move its tensors into vLLM's
         rollout_model.rollplex_weights_bound_to = "the Megatron training shards"
         self.rollout, not_mapped = self._bind_rollout(weight_mapping)
+        self.all_reduce, all_reduce_note = self._route_all_reduce(shm_all_reduce, rollout_model.device)
         if is_main_process:
-            logger.warning("rollplex: Megatron backend, t=%d, data-parallel %d; %s%s", self.groups.tp_size,
-                           self.groups.dp_size, self.rollout.table(),
-                           f" (not mapped across processes: {not_mapped})" if not_mapped else "")
+            logger.warning("rollplex: Megatron backend, t=%d, data-parallel %d; %s%s; TP all-reduce: %s",
+                           self.groups.tp_size, self.groups.dp_size, self.rollout.table(),
+                           f" (not mapped across processes: {not_mapped})" if not_mapped else "", all_reduce_note)
             if not_mapped is None:  # the plan it executes, by parameter kind (logged once)
                 logger.info("rollplex: the rollout weight-mapping plan\n%s", self.rollout.plan.format())
         self._reduced = False  # whether this optimizer step's gradients were averaged over DP already
@@ -174,6 +175,26 @@ class MegatronBackend:
                                    "'auto' or 'off'")
         return LiveRolloutWeights(spec, self.policy.options, self._rollout_model, self._train_param, g.tp_rank,
                                   g.tp_group), reason
+
+    def _route_all_reduce(self, mode: str, device: torch.device):
+        """The TP group's layer all-reduces through shared memory (rollplex_shm_all_reduce; shm_all_reduce.py)
+        where it can run; returns (the all-reduce or None, what the log says). The same choice on every TP rank."""
+        from rollplex_trl import megatron_compat
+        from rollplex_trl.backends.megatron.shm_all_reduce import SharedMemoryAllReduce, shm_all_reduce_reason
+
+        g = self.groups
+        if g.tp_size == 1:
+            return None, "none (t = 1)"
+        if mode == "off":
+            return None, "gloo (rollplex_shm_all_reduce='off')"
+        reason = shm_all_reduce_reason(device, g.tp_group, g.tp_size)
+        if reason is not None:
+            if mode == "on":
+                raise RuntimeError(f"rollplex_shm_all_reduce='on' cannot run: {reason}; use 'auto' or 'off'")
+            return None, f"gloo ({reason})"
+        all_reduce = SharedMemoryAllReduce(g.tp_group)
+        self._undo_all_reduce = [megatron_compat.route_tensor_parallel_all_reduce(g.tp_group, all_reduce)]
+        return all_reduce, "shared memory (rollplex_shm_all_reduce)"
 
     def _train_param(self, group, spec_index: int, name: str) -> nn.Parameter:
         if name.startswith("visual."):
@@ -292,6 +313,11 @@ class MegatronBackend:
         self.sync_rollout()
         from rollplex_trl.backends.megatron import release_model_parallel
 
+        if self.all_reduce is not None:
+            for undo in self._undo_all_reduce:
+                undo()
+            self.all_reduce.close()
+            self.all_reduce = None
         release_model_parallel()
         self.policy = self.ref = self.rollout = self.groups = None
 

@@ -85,3 +85,32 @@ def test_version_guard(monkeypatch):
     monkeypatch.setattr(compat, "version", missing)
     with pytest.raises(ImportError, match=r"pip install 'rollplex-trl\[megatron\]'"):
         compat.check_megatron_version()
+
+
+def test_the_tensor_parallel_all_reduces_are_where_the_routing_looks():
+    """route_tensor_parallel_all_reduce proxies the global `torch` of these modules: their TP sums must still be
+    `torch.distributed.all_reduce` calls (the trainer test counts the routed calls; this names the place if an
+    upgrade moves them), the routing is scoped to them, and undo restores what was there."""
+    import importlib
+    import inspect
+
+    from megatron.core.tensor_parallel import layers, mappings
+
+    assert "torch.distributed.all_reduce(input_.contiguous(), group=group)" in inspect.getsource(mappings._reduce)
+    backward = inspect.getsource(layers.LinearWithGradAccumulationAndAsyncCommunication.backward)
+    assert "torch.distributed.all_reduce(grad_input, group=tp_group, async_op=True)" in backward
+    assert "torch.distributed.all_reduce(" in inspect.getsource(layers.LinearWithFrozenWeight.backward)
+
+    compat.apply_cpu_shims()
+    before = {name: importlib.import_module(name).torch for name in compat.ALL_REDUCE_MODULES}
+    seen = []
+    undo = compat.route_tensor_parallel_all_reduce("group", lambda t: seen.append(t) or t.mul_(2))
+    x = torch.ones(3)
+    assert mappings.torch.distributed.all_reduce(x, group="group") is None and torch.equal(x, torch.full((3,), 2.0))
+    handle = layers.torch.distributed.all_reduce(x, group="group", async_op=True)
+    assert handle.wait() and len(seen) == 2
+    assert layers.torch.Tensor is torch.Tensor  # everything else is torch's
+    assert torch.distributed.all_reduce is not layers.torch.distributed.all_reduce  # torch itself untouched
+    undo()
+    assert {name: importlib.import_module(name).torch for name in compat.ALL_REDUCE_MODULES} == before
+    assert mappings.torch.distributed is torch.distributed

@@ -113,8 +113,10 @@ def test_tensor_parallel_2_learns_what_hf_learns(tiny_vl_path, tmp_path):
     thread while the rollout decodes; the scoring passes and the actor window take their states."""
     reference = _in_process(tiny_vl_path, tmp_path, "hf1")
     ranks = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "tp2", "overlap")
-    views = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "tp2views", "overlap+views")
+    views = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "tp2views", "overlap+views+gloo")
     assert not views[0]["rollout"]["mapped"]
+    # the mapping and the shared-memory all-reduce off (gloo) vs on: bit-identical (at t = 2 a + b = b + a)
+    assert all(r["shm_all_reduce_calls"] > 0 for r in ranks) and all(r["shm_all_reduce_calls"] == 0 for r in views)
     _mapping_changes_nothing(tmp_path, "tp2", "tp2views")
     assert all(r["world"] == 2 for r in ranks)
     # one TP group: every rank logs the same numbers
@@ -215,7 +217,8 @@ def _close_step(x: dict, y: dict) -> None:
 
 
 def test_tensor_parallel_2_under_trl_defaults_bf16(tiny_vl_path, tmp_path):
-    """bf16 autocast + gradient checkpointing (TRL's defaults), with the weight mapping on and off (bit-identical).
+    """bf16 autocast + gradient checkpointing (TRL's defaults), with the weight mapping and the shared-memory
+    all-reduce on and off (bit-identical).
     Against the hf backend, measured when written: step 1 grad norm 7e-5 relative, entropy 6e-7; step 2 loss and KL
     5e-3 relative (the bf16 rounding of two different kernels, amplified by one AdamW step). By step 3 the rollouts
     sample different tokens (the rollout weights differ in the last bf16 bits), so only steps 1-2 are compared."""
@@ -224,8 +227,9 @@ def test_tensor_parallel_2_under_trl_defaults_bf16(tiny_vl_path, tmp_path):
 
     reference = trainer_worker.run(str(tiny_vl_path), str(tmp_path), "hf", 1, "hfbf", "bf16")["logs"]
     ranks = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "mgbf", "bf16")
-    _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "mgbfviews", "bf16+views")
+    _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "mgbfviews", "bf16+views+gloo")
     assert ranks[0]["rollout"]["mapped"] and ranks[0]["rollout"]["unequal_to_trained"] == []
+    assert ranks[0]["shm_all_reduce_calls"] > 0
     _mapping_changes_nothing(tmp_path, "mgbf", "mgbfviews")
     assert _without_timings(ranks[0]["logs"]) == _without_timings(ranks[1]["logs"])
     ours = ranks[0]["logs"]
