@@ -64,6 +64,10 @@ class RollplexGRPOConfig(GRPOConfig):
         rollplex_shm_all_reduce (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): on the Megatron backend at t > 1
             on CPU, the tensor-parallel all-reduces of every layer through one shared-memory file instead of gloo
             (auto: where the TP group shares one host and /dev/shm has room).
+        rollplex_pooled_rollout (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): on the Megatron backend at t > 1
+            on CPU, the transformers rollout runs once per TP group, on its first rank with the whole group's
+            threads, instead of on every rank with its own (auto: where the group shares one host, without vLLM
+            and without the concurrent overlap schedule).
 
     Parameters that control video data (used when a dataset row has a `video` column):
         rollplex_video_fps (`float`, defaults to `2.0`): frames sampled per second of video (qwen-vl-utils' FPS).
@@ -231,6 +235,18 @@ class RollplexGRPOConfig(GRPOConfig):
             "choices": ["auto", "on", "off"],
         },
     )
+    rollplex_pooled_rollout: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata={
+            "help": "With rollplex_backend='megatron' and t > 1 on CPU: the transformers rollout (prefill and "
+            "decode) once per TP group, on its first rank with the intra-op threads of all t ranks, while the "
+            "peers wait without taking a core, instead of every rank decoding the same batch with its own threads "
+            "(the group trains on the first rank's completions either way). 'auto': where it can run (CPU, the TP "
+            "group on one host, the transformers rollout, rollplex_overlap not 'on'), else every rank decodes, "
+            "with the reason logged; 'on': refuse to start otherwise; 'off': every rank decodes.",
+            "choices": ["auto", "on", "off"],
+        },
+    )
     rollplex_video_fps: float = field(
         default=2.0, metadata={"help": "Frames sampled per second of video, as qwen-vl-utils does (FPS)."}
     )
@@ -334,6 +350,7 @@ _RULES: dict[str, _Rule] = {
     "rollplex_tensor_parallel_size": _Rule("int", "an integer >= 1", lambda v: v >= 1),
     "rollplex_weight_mapping": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
     "rollplex_shm_all_reduce": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
+    "rollplex_pooled_rollout": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
     "rollplex_video_fps": _Rule("float", "a finite number > 0", lambda v: v > 0),
     "rollplex_video_min_frames": _Rule("int", "an integer >= 1", lambda v: v >= 1),
     "rollplex_video_max_frames": _Rule(
@@ -415,6 +432,9 @@ def _validate(cfg: RollplexGRPOConfig) -> None:
     if cfg.rollplex_backend != "megatron" and cfg.rollplex_shm_all_reduce == "on":
         raise ValueError("rollplex_shm_all_reduce='on' needs rollplex_backend='megatron' (the 'hf' backend has no "
                          "tensor-parallel all-reduce)")
+    if cfg.rollplex_backend != "megatron" and cfg.rollplex_pooled_rollout == "on":
+        raise ValueError("rollplex_pooled_rollout='on' needs rollplex_backend='megatron' (the 'hf' backend's "
+                         "processes each decode their own prompts)")
     if cfg.rollplex_video_min_pixels > cfg.rollplex_video_max_pixels:
         raise ValueError(
             "need rollplex_video_min_pixels <= rollplex_video_max_pixels, got "

@@ -124,6 +124,21 @@ def add_to_step_time(trainer: Any, seconds: float) -> None:
         trainer._current_train_step_time += seconds
 
 
+def generation_prompt_tensors(trainer: Any, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The left-padded prompt ids and attention mask TRL's transformers generate path builds from `prompt_ids`
+    (`_generate_single_turn`: `pad(..., padding_side="left", pad_to_multiple_of=...)`, on the trainer's device)."""
+    from trl.trainer.utils import pad
+
+    tensors = [torch.tensor(ids) for ids in prompt_ids]
+    multiple = trainer.pad_to_multiple_of
+    ids = pad(tensors, padding_value=trainer._tokenizer.pad_token_id, padding_side="left",
+              pad_to_multiple_of=multiple)
+    mask = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left",
+               pad_to_multiple_of=multiple)
+    device = trainer.accelerator.device
+    return ids.to(device), mask.to(device)
+
+
 def pad_token_id(trainer: Any) -> int:
     """The tokenizer's pad id (TRL unwraps the processor's tokenizer into `_tokenizer`)."""
     return trainer._tokenizer.pad_token_id

@@ -212,7 +212,9 @@ class RollplexGRPOTrainer(GRPOTrainer):
             rollout_model=self.accelerator.unwrap_model(self.model), ref_model=ref,
             tensor_parallel_size=self.rollplex["rollplex_tensor_parallel_size"],
             weight_mapping=self.rollplex["rollplex_weight_mapping"],
-            shm_all_reduce=self.rollplex["rollplex_shm_all_reduce"], seed=self.args.seed,
+            shm_all_reduce=self.rollplex["rollplex_shm_all_reduce"],
+            pooled_rollout=self.rollplex["rollplex_pooled_rollout"], use_vllm=self.use_vllm,
+            overlap=self.rollplex["rollplex_overlap"], seed=self.args.seed,
             record=lambda key, value: trl_compat.metrics(self, True)[key].append(value),
             is_main_process=self.accelerator.is_main_process)
 
@@ -353,12 +355,42 @@ class RollplexGRPOTrainer(GRPOTrainer):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self.megatron is not None:  # the on-policy barrier, then one view of the completions per TP group
             self.megatron.sync_rollout()
-            completion_ids, logprobs = self._rollout(prompt_ids, images, multimodal_fields, num_generations,
-                                                     has_tool_images)
+            pool = self.megatron.rollout_pool
+            if pool is None:  # every TP rank decodes
+                completion_ids, logprobs = self._rollout(prompt_ids, images, multimodal_fields, num_generations,
+                                                         has_tool_images)
+            elif pool.decodes:  # the group's first rank, with the group's threads
+                with pool.decoding():
+                    completion_ids, logprobs = self._rollout(prompt_ids, images, multimodal_fields,
+                                                             num_generations, has_tool_images, pool=pool)
+            else:  # a peer: the rollout's decode window only (its prefix jobs are TP collectives)
+                self._rollout_on_first_rank(prompt_ids, images, num_generations, has_tool_images, pool)
+                completion_ids = logprobs = None
             return self.megatron.share_completions(completion_ids, logprobs)
         return self._rollout(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
 
-    def _rollout(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images):
+    def _takes_shared_prefill(self, images, rows, num_generations: int, has_tool_images: bool) -> bool:
+        """Whether the transformers rollout prefills each prompt once (prefix/generation.py), which is where its
+        decode window opens."""
+        return not (not self.support.shared_prefill or num_generations < 2 or has_tool_images
+                    or (rows is None and images is not None))
+
+    def _rollout_on_first_rank(self, prompt_ids, images, num_generations, has_tool_images, pool) -> None:
+        """A TP peer's side of a pooled rollout (backends/megatron/pooled_rollout.py): the same decisions and
+        decode window as the first rank's `_rollout`, waiting where it decodes."""
+        self._decide_sharing(prompt_ids)
+        self._prefill_for_actor = None
+        rows = self.batch.generation_rows
+        window = self._decode_window(rows) if self._takes_shared_prefill(images, rows, num_generations,
+                                                                          has_tool_images) else None
+        if window is None:
+            pool.wait()
+            return
+        input_ids, attention_mask = trl_compat.generation_prompt_tensors(self, prompt_ids)
+        with window(input_ids, attention_mask):
+            pool.wait()
+
+    def _rollout(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images, pool=None):
         self._decide_sharing(prompt_ids)
         self._prefill_for_actor = None  # a prefix kept by an earlier rollout never serves this one's window
         rows = self.batch.generation_rows
@@ -371,8 +403,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
             return completion_ids, logprobs
         # The transformers rollout: prefill each prompt once for its G samples (prefix/generation.py). Continuous
         # batching has its own prefix caching; TRL's own image path has no per-prompt identity.
-        if (not self.support.shared_prefill or num_generations < 2 or has_tool_images
-                or (rows is None and images is not None)):
+        if not self._takes_shared_prefill(images, rows, num_generations, has_tool_images):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
 
@@ -380,8 +411,9 @@ class RollplexGRPOTrainer(GRPOTrainer):
             self._record("rollplex/prefill_rows_per_prompt", rows_count / max(1, prompts))
 
         self._prefill_for_actor = PrefillForActor(wanted=self._actor_from_prefill)
+        window = self._decode_window(rows)
         with shared_prefill(self.accelerator.unwrap_model(self.model), rows, on_prefill=log,
-                            decode_window=self._decode_window(rows),
+                            decode_window=pool.window(window) if pool is not None else window,
                             shared_decode=self.rollplex["rollplex_shared_decode"], num_generations=num_generations,
                             for_actor=self._prefill_for_actor,
                             compile_decode=self.rollplex["rollplex_compile_decode"]):

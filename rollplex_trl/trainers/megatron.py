@@ -116,7 +116,8 @@ class MegatronBackend:
 
     def __init__(self, *, rollout_model: nn.Module, ref_model: nn.Module | None, tensor_parallel_size: int,
                  seed: int, record: Callable[[str, float], None], is_main_process: bool,
-                 weight_mapping: str = "auto", shm_all_reduce: str = "auto") -> None:
+                 weight_mapping: str = "auto", shm_all_reduce: str = "auto", pooled_rollout: str = "auto",
+                 use_vllm: bool = False, overlap: str = "auto") -> None:
         from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel
 
         self.groups = init_model_parallel(tensor_parallel_size)
@@ -137,10 +138,12 @@ class MegatronBackend:
         rollout_model.rollplex_weights_bound_to = "the Megatron training shards"
         self.rollout, not_mapped = self._bind_rollout(weight_mapping)
         self.all_reduce, all_reduce_note = self._route_all_reduce(shm_all_reduce, rollout_model.device)
+        self.rollout_pool, pool_note = self._pool_rollout(pooled_rollout, rollout_model.device, use_vllm, overlap)
         if is_main_process:
-            logger.warning("rollplex: Megatron backend, t=%d, data-parallel %d; %s%s; TP all-reduce: %s",
+            logger.warning("rollplex: Megatron backend, t=%d, data-parallel %d; %s%s; TP all-reduce: %s; rollout: %s",
                            self.groups.tp_size, self.groups.dp_size, self.rollout.table(),
-                           f" (not mapped across processes: {not_mapped})" if not_mapped else "", all_reduce_note)
+                           f" (not mapped across processes: {not_mapped})" if not_mapped else "", all_reduce_note,
+                           pool_note)
             if not_mapped is None:  # the plan it executes, by parameter kind (logged once)
                 logger.info("rollplex: the rollout weight-mapping plan\n%s", self.rollout.plan.format())
         self._reduced = False  # whether this optimizer step's gradients were averaged over DP already
@@ -195,6 +198,25 @@ class MegatronBackend:
         all_reduce = SharedMemoryAllReduce(g.tp_group)
         self._undo_all_reduce = [megatron_compat.route_tensor_parallel_all_reduce(g.tp_group, all_reduce)]
         return all_reduce, "shared memory (rollplex_shm_all_reduce)"
+
+    def _pool_rollout(self, mode: str, device: torch.device, use_vllm: bool, overlap: str):
+        """The transformers rollout on the TP group's first rank with the group's threads (rollplex_pooled_rollout;
+        pooled_rollout.py) where it applies; returns (the pool or None, what the log says). The same on every rank."""
+        from rollplex_trl.backends.megatron.pooled_rollout import PooledRollout, pooled_rollout_reason
+
+        g = self.groups
+        if g.tp_size == 1:
+            return None, "one rank per TP group (t = 1)"
+        if mode == "off":
+            return None, "every TP rank decodes (rollplex_pooled_rollout='off')"
+        reason = pooled_rollout_reason(device, g.tp_group, g.tp_size, use_vllm=use_vllm, overlap=overlap)
+        if reason is not None:
+            if mode == "on":
+                raise RuntimeError(f"rollplex_pooled_rollout='on' cannot run: {reason}; use 'auto' or 'off'")
+            return None, f"every TP rank decodes ({reason})"
+        pool = PooledRollout(g.tp_group, g.tp_rank, g.tp_size)
+        return pool, (f"the TP group's first rank decodes with {pool.pooled_threads} threads "
+                      "(rollplex_pooled_rollout)")
 
     def _train_param(self, group, spec_index: int, name: str) -> nn.Parameter:
         if name.startswith("visual."):
@@ -318,16 +340,23 @@ class MegatronBackend:
                 undo()
             self.all_reduce.close()
             self.all_reduce = None
+        if self.rollout_pool is not None:
+            self.rollout_pool.close()
+            self.rollout_pool = None
         release_model_parallel()
         self.policy = self.ref = self.rollout = self.groups = None
 
-    def share_completions(self, completion_ids: list[list[int]], logprobs: Any) -> tuple[list[list[int]], Any]:
-        """The TP group's first rank's completions on every rank of the group."""
+    def share_completions(self, completion_ids: list[list[int]] | None, logprobs: Any) -> tuple[list[list[int]], Any]:
+        """The TP group's first rank's completions on every rank of the group. After a pooled rollout (only the
+        first rank sampled) its RNG state too: TRL shuffles the batch with it next, and the TP ranks must agree."""
         if self.groups.tp_size == 1:
             return completion_ids, logprobs
-        box = [completion_ids, logprobs]
+        pooled = self.rollout_pool is not None
+        box = [completion_ids, logprobs, torch.get_rng_state() if pooled else None]
         source = dist.get_global_rank(self.groups.tp_group, 0) if self.groups.tp_group is not None else 0
         dist.broadcast_object_list(box, src=source, group=self.groups.tp_group)
+        if pooled and self.groups.tp_rank != 0:
+            torch.set_rng_state(box[2])
         return box[0], box[1]
 
     # ---- the actor's prefix per accumulation window (prefix/actor.py drives it) -----------------------------------

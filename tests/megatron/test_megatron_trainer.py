@@ -217,8 +217,8 @@ def _close_step(x: dict, y: dict) -> None:
 
 
 def test_tensor_parallel_2_under_trl_defaults_bf16(tiny_vl_path, tmp_path):
-    """bf16 autocast + gradient checkpointing (TRL's defaults), with the weight mapping and the shared-memory
-    all-reduce on and off (bit-identical).
+    """bf16 autocast + gradient checkpointing (TRL's defaults), with the weight mapping, the shared-memory
+    all-reduce and the pooled rollout on and off (bit-identical: the same sampled tokens).
     Against the hf backend, measured when written: step 1 grad norm 7e-5 relative, entropy 6e-7; step 2 loss and KL
     5e-3 relative (the bf16 rounding of two different kernels, amplified by one AdamW step). By step 3 the rollouts
     sample different tokens (the rollout weights differ in the last bf16 bits), so only steps 1-2 are compared."""
@@ -227,9 +227,11 @@ def test_tensor_parallel_2_under_trl_defaults_bf16(tiny_vl_path, tmp_path):
 
     reference = trainer_worker.run(str(tiny_vl_path), str(tmp_path), "hf", 1, "hfbf", "bf16")["logs"]
     ranks = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "mgbf", "bf16")
-    _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "mgbfviews", "bf16+views+gloo")
+    every_rank = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "mgbfviews", "bf16+views+gloo+allranks")
     assert ranks[0]["rollout"]["mapped"] and ranks[0]["rollout"]["unequal_to_trained"] == []
     assert ranks[0]["shm_all_reduce_calls"] > 0
+    # the first rank decoded with both ranks' threads (one each under torchrun here), the peer waited
+    assert ranks[0]["pooled_threads"] == min(2, len(os.sched_getaffinity(0))) and every_rank[0]["pooled_threads"] == 0
     _mapping_changes_nothing(tmp_path, "mgbf", "mgbfviews")
     assert _without_timings(ranks[0]["logs"]) == _without_timings(ranks[1]["logs"])
     ours = ranks[0]["logs"]

@@ -1,11 +1,15 @@
-"""The shared-memory TP all-reduce (backends/megatron/shm_all_reduce.py) against gloo, in 2 processes.
+"""The shared-memory TP all-reduce (backends/megatron/shm_all_reduce.py) against gloo, and the pooled rollout's
+hand-over (backends/megatron/pooled_rollout.py), in 2 processes.
 
 - the sum itself: equal to gloo's all_reduce bit for bit (two ranks: a + b = b + a), fp32/bf16/fp64, tensors
   smaller and many times larger than a slot (chunked), the same result on both ranks; a peer that never arrives
   is a named error after the timeout, not a hang; nothing is left in /dev/shm;
 - routed into megatron-core (megatron_compat.route_tensor_parallel_all_reduce): MegatronPolicy at t = 2 gives
   bit-identical log-probs and gradients with the routing on and off (gloo), the routed all-reduce runs in the
-  forward and in the backward, and then no TP-group all-reduce of the layers goes to gloo.
+  forward and in the backward, and then no TP-group all-reduce of the layers goes to gloo;
+- the pooled rollout: the first rank decodes with both ranks' threads and runs the window's jobs with its own, the
+  peer leaves its wait only once the first rank posted (after decoding, before the jobs), a first rank that never
+  posts is a named error on the peer after the timeout.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ SLOT = 1 << 14  # 16 KiB slots: the larger tensors below take dozens of chunks
 
 
 def _leftovers() -> list[str]:
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("rollplex-tp-allreduce-"))
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(("rollplex-tp-allreduce-", "rollplex-rollout-")))
 
 
 def _sum_checks(rank: int, record) -> None:
@@ -119,6 +123,53 @@ def _routing_checks(path: str, rank: int, record) -> None:
     all_reduce.close()
 
 
+def _pool_checks(rank: int, record, out_dir: str) -> None:
+    import contextlib
+    import time
+
+    from rollplex_trl.backends.megatron.pooled_rollout import PooledRollout
+
+    pool = PooledRollout(None, rank, 2)
+    own = torch.get_num_threads()
+    seen = {}
+
+    @contextlib.contextmanager
+    def window(input_ids, attention_mask):  # the overlap window: the jobs run at its exit (serial schedule)
+        yield
+        seen["jobs"] = torch.get_num_threads()
+        dist.barrier()  # the jobs' TP collectives
+
+    if pool.decodes:
+        with pool.decoding():
+            with pool.window(window)(None, None):
+                seen["decode"] = torch.get_num_threads()
+                time.sleep(0.5)  # decoding
+                Path(out_dir, "decoded").write_text("done")  # before the post: the peer must see it
+        record("pool: decode with both ranks' threads", seen["decode"] == pool.pooled_threads == min(
+            2 * own, len(os.sched_getaffinity(0))), f"{seen['decode']} threads, own {own}")
+        record("pool: jobs with the rank's own threads", seen["jobs"] == own, str(seen["jobs"]))
+        record("pool: own threads restored", torch.get_num_threads() == own)
+
+    else:
+        with window(None, None):
+            pool.wait()
+            seen["decoded"] = Path(out_dir, "decoded").exists()
+        record("pool: the peer waits for the decode", seen["decoded"], "left its wait before the decode ended")
+
+    record("pool: peer and first rank ran the window's jobs", "jobs" in seen)
+    pool.close()
+
+    late = PooledRollout(None, rank, 2, timeout_s=1.0)  # a first rank that never posts
+    if not late.decodes:
+        try:
+            late.wait()
+            record("pool: a silent first rank is an error", False, "returned")
+        except RuntimeError as err:
+            record("pool: a silent first rank is an error", "did not finish decoding" in str(err), str(err))
+    dist.barrier()
+    late.close()
+
+
 def _main(rank: int, world: int, port: int, path: str, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -130,6 +181,7 @@ def _main(rank: int, world: int, port: int, path: str, out_dir: str) -> None:
 
     try:
         _sum_checks(rank, record)
+        _pool_checks(rank, record, out_dir)
         _routing_checks(path, rank, record)
     except Exception:
         record("no exception", False, traceback.format_exc())
@@ -177,6 +229,18 @@ def test_two_ranks(records, check):
 def test_a_missing_peer_is_a_named_error(records):
     mine = [r for r in records if r["check"] == "a missing peer is an error"]
     assert len(mine) == 1 and mine[0]["ok"], mine
+
+
+@pytest.mark.parametrize("check", ["pool: decode with both ranks' threads", "pool: jobs with the rank's own threads",
+                                   "pool: own threads restored", "pool: the peer waits for the decode",
+                                   "pool: a silent first rank is an error"])
+def test_pooled_rollout_hand_over(records, check):
+    failed = [r for r in records if r["check"] == "no exception"]
+    assert not failed, failed[0]["detail"]
+    mine = [r for r in records if r["check"] == check]
+    assert len(mine) == 1 and mine[0]["ok"], mine
+    both = [r for r in records if r["check"] == "pool: peer and first rank ran the window's jobs"]
+    assert {r["rank"] for r in both if r["ok"]} == {0, 1}
 
 
 def test_nothing_left_in_dev_shm(records):

@@ -15,9 +15,10 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     rollplex_weight_mapping="off": views of local shards, the rest all-gathered), "vllm" (fp32, use_vllm=True in
     colocate mode through the trainer's real vLLM path, with the main suite's stand-in engine: a sampler holding its
     own copy of the weights, synced from the transformers model), "gloo" (rollplex_shm_all_reduce="off": the TP
-    all-reduces over gloo). Several join with "+" (e.g. "bf16+views"). The Megatron runs pin
-    rollplex_weight_mapping ("on", or "off" with "views") and, at t > 1, rollplex_shm_all_reduce ("on", or "off"
-    with "gloo"): never an auto decision."""
+    all-reduces over gloo), "allranks" (rollplex_pooled_rollout="off": every TP rank decodes). Several join with
+    "+" (e.g. "bf16+views"). The Megatron runs pin rollplex_weight_mapping ("on", or "off" with "views") and, at
+    t > 1, rollplex_shm_all_reduce ("on", or "off" with "gloo") and rollplex_pooled_rollout ("on", or "off" with
+    "allranks", "overlap" or "vllm", where it cannot run): never an auto decision."""
     sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..")]
     import torch
     from datasets import Dataset
@@ -65,6 +66,7 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         rollplex_tensor_parallel_size=tp, rollplex_overlap="on" if "overlap" in flags else "auto",
         rollplex_weight_mapping="off" if "views" in flags else ("on" if backend == "megatron" else "auto"),
         rollplex_shm_all_reduce="off" if "gloo" in flags or tp == 1 else "on",
+        rollplex_pooled_rollout="off" if flags & {"allranks", "overlap", "vllm"} or tp == 1 else "on",
         use_vllm=vllm, vllm_mode="colocate",
         # the hf backend's suffix with the prompt's K/V concatenated, as the Megatron backend's core attention does:
         # under bf16 the two backends then round the same sums alike (cascade's kernels round differently: bf16 step
@@ -99,6 +101,8 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         result["rollout"] = _rollout_binding(trainer.megatron, model)
         all_reduce = trainer.megatron.all_reduce
         result["shm_all_reduce_calls"] = all_reduce.calls if all_reduce is not None else 0
+        pool = trainer.megatron.rollout_pool
+        result["pooled_threads"] = pool.pooled_threads if pool is not None else 0
     Path(out, f"{tag}-rank{rank}.json").write_text(json.dumps(result))
     import torch.distributed as dist
 
