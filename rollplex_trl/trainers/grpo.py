@@ -510,6 +510,16 @@ class RollplexGRPOTrainer(GRPOTrainer):
             check_rows_match_ids(rows, input_ids[:, : input_ids.size(1) - logits_to_keep])
         P = input_ids.size(1) - logits_to_keep
         self._decide_sharing_from_mask(input_ids[:, :P], attention_mask[:, :P])  # a custom rollout_func's batch
+        if self.batch.actor is not None:  # the policy's loss pass (either backend): suffix against the window's prefix
+            actor, row_to_prompt = self.batch.actor
+            suffix = (self.megatron.actor_suffix_logps if self.megatron is not None
+                      else functools.partial(suffix_logps, attention=self.suffix_attention))
+            with self.accelerator.autocast():
+                logps, entropies = suffix(
+                    self._trained_model(model), actor.leaf_state, row_to_prompt, input_ids[:, P:],
+                    attention_mask[:, P:], temperature=self.temperature, compute_entropy=compute_entropy)
+            self._log_prefix_use(actor.rows or input_ids.size(0), len(actor.key_to_prompt))
+            return logps, entropies, None
         if self.megatron is not None:  # the other passes (reference, old, actor outside a window) on Megatron
             share = self.support.share_scoring and self._shareable(rows, vision_kwargs)
             precomputed = None
@@ -523,16 +533,6 @@ class RollplexGRPOTrainer(GRPOTrainer):
                 prompts_per_chunk=self.rollplex["rollplex_prefix_chunk_prompts"], precomputed=precomputed)
             if num_prompts is not None:
                 self._log_prefix_use(input_ids.size(0), num_prompts)
-            return logps, entropies, None
-        if self.batch.actor is not None:  # the policy's loss pass: suffix against this window's prefix
-            actor, row_to_prompt = self.batch.actor
-            suffix = (self.megatron.actor_suffix_logps if self.megatron is not None
-                      else functools.partial(suffix_logps, attention=self.suffix_attention))
-            with self.accelerator.autocast():
-                logps, entropies = suffix(
-                    self._trained_model(model), actor.leaf_state, row_to_prompt, input_ids[:, P:],
-                    attention_mask[:, P:], temperature=self.temperature, compute_entropy=compute_entropy)
-            self._log_prefix_use(actor.rows or input_ids.size(0), len(actor.key_to_prompt))
             return logps, entropies, None
         share = self.support.share_actor if torch.is_grad_enabled() else self.support.share_scoring
         if share and self._shareable(rows, vision_kwargs):  # each prompt once per call, in one graph
