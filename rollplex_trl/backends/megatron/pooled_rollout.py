@@ -40,8 +40,6 @@ def pooled_rollout_reason(device: torch.device, tp_group: dist.ProcessGroup | No
                           use_vllm: bool, overlap: str) -> str | None:
     """Why the rollout cannot be pooled on the first TP rank (None: it can); the same answer on every rank of the
     group (a collective at t > 1: call it on all of them)."""
-    import socket
-
     if tp_size == 1:
         return "t = 1"
     local = None
@@ -53,11 +51,9 @@ def pooled_rollout_reason(device: torch.device, tp_group: dist.ProcessGroup | No
         local = "rollplex_overlap='on' decodes while the prefix jobs run (the cores are taken)"
     elif not os.path.isdir(SHM_ROOT):
         local = f"{SHM_ROOT} does not exist"
-    answers: list = [None] * tp_size
-    dist.all_gather_object(answers, (socket.gethostname(), local), group=tp_group)
-    if len({host for host, _ in answers}) > 1:
-        return "the TP group spans several hosts (their cores cannot be pooled)"
-    return next((r for _, r in answers if r is not None), None)
+    from rollplex_trl.backends.megatron.mapped_weights import agree
+
+    return agree(local, tp_group, tp_size)  # one answer for the group: the first reason, or several hosts
 
 
 class PooledRollout:

@@ -28,7 +28,6 @@ Installed by `megatron_compat.route_tensor_parallel_all_reduce` (megatron-core's
 from __future__ import annotations
 
 import os
-import socket
 import time
 import uuid
 
@@ -60,11 +59,9 @@ def shm_all_reduce_reason(device: torch.device, tp_group: dist.ProcessGroup | No
         need = _file_bytes(tp_size, slot_bytes)
         if stat.f_bavail * stat.f_frsize < 4 * need:
             local = f"{SHM_ROOT} has less than {4 * need / 2**20:.0f} MiB free"
-    answers: list = [None] * tp_size
-    dist.all_gather_object(answers, (socket.gethostname(), local), group=tp_group)
-    if len({host for host, _ in answers}) > 1:
-        return "the TP group spans several hosts"
-    return next((r for _, r in answers if r is not None), None)
+    from rollplex_trl.backends.megatron.mapped_weights import agree
+
+    return agree(local, tp_group, tp_size)  # one answer for the group: the first reason, or several hosts
 
 
 def _file_bytes(size: int, slot_bytes: int) -> int:
