@@ -11,9 +11,14 @@ with the ratios to the `hf` backend, and TRL's `step_time` metric (its `training
 - `megatron t=1`: one process, Megatron-Core GPTModel,
 - `megatron t=2`: two processes (gloo, torchrun), the LLM split over both; on a 2-core machine each process gets one
   intra-op thread, as the single-process runs get two. The rollout model is mapped onto both ranks' shards
-  (`rollplex_weight_mapping` auto);
-- `megatron t=2, views`: the same with `rollplex_weight_mapping="off"` (views of local shards, the rest
-  all-gathered after each step).
+  (`rollplex_weight_mapping` auto), its row-parallel weights read in place by split-K Linears
+  (`rollplex_row_parallel_views` auto);
+- `megatron t=2, copied rows`: the same with `rollplex_row_parallel_views="off"` (those weights copied after each
+  step);
+- `megatron t=2, views`: `rollplex_weight_mapping="off"` (views of local shards, the rest all-gathered after each
+  step).
+
+The machine is shared and noisy, so the runs alternate: repeat 1 of every configuration, then repeat 2, ...
 
 For the Megatron runs it also reports the live weight-sync bytes per optimizer step (`rollplex/sync_bytes_copied`,
 `rollplex/sync_bytes_aliased`) next to the sharding planner's numbers for the plan the mapping executes (t, r = 1,
@@ -36,14 +41,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-RUNS = [("hf, prefix off", "hf", 1, "off", "auto"), ("hf (shared prefix)", "hf", 1, "auto", "auto"),
-        ("megatron t=1", "megatron", 1, "auto", "auto"), ("megatron t=2", "megatron", 2, "auto", "auto"),
-        ("megatron t=2, views", "megatron", 2, "auto", "off")]
+# (name, backend, t, rollplex_share_prefix, rollplex_weight_mapping, rollplex_row_parallel_views)
+RUNS = [("hf, prefix off", "hf", 1, "off", "auto", "auto"), ("hf (shared prefix)", "hf", 1, "auto", "auto", "auto"),
+        ("megatron t=1", "megatron", 1, "auto", "auto", "auto"),
+        ("megatron t=2", "megatron", 2, "auto", "auto", "auto"),
+        ("megatron t=2, copied rows", "megatron", 2, "auto", "auto", "off"),
+        ("megatron t=2, views", "megatron", 2, "auto", "off", "auto")]
 
 
 def worker(argv: list[str]) -> None:
     """One training run (in a child process; under torchrun for t > 1); writes its step times and sync bytes."""
-    model_path, data, out, backend, tp, share, mapping, steps, G, C = argv
+    model_path, data, out, backend, tp, share, mapping, views, steps, G, C = argv
     import torch
     from bench_common import wall_step_clock
 
@@ -56,7 +64,7 @@ def worker(argv: list[str]) -> None:
         logging_steps=1, report_to=[], save_strategy="no", seed=0, use_cpu=not torch.cuda.is_available(),
         bf16=False, gradient_checkpointing=True, ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
         rollplex_backend=backend, rollplex_tensor_parallel_size=int(tp), rollplex_share_prefix=share,
-        rollplex_weight_mapping=mapping,
+        rollplex_weight_mapping=mapping, rollplex_row_parallel_views=views,
         rollplex_video_max_frames=4, rollplex_video_min_pixels=28 * 28 * 4, rollplex_video_max_pixels=56 * 56)
     trainer = RollplexGRPOTrainer(model=model_path, reward_funcs=[accuracy_reward, format_reward], args=config,
                                   train_dataset=load_video_r1(data))
@@ -81,10 +89,10 @@ def _port() -> int:
 
 
 def _run(model_path: Path, data: Path, tmp: Path, name: str, backend: str, tp: int, share: str, mapping: str,
-         args) -> dict:
+         views: str, args) -> dict:
     out = tmp / name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "").replace("=", "")
-    common = [str(model_path), str(data), str(out), backend, str(tp), share, mapping, str(args.steps), str(args.G),
-              str(args.C)]
+    common = [str(model_path), str(data), str(out), backend, str(tp), share, mapping, views, str(args.steps),
+              str(args.G), str(args.C)]
     threads = max(1, (os.cpu_count() or 2) // tp)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
     if tp > 1:
@@ -98,8 +106,9 @@ def _run(model_path: Path, data: Path, tmp: Path, name: str, backend: str, tp: i
     return json.loads((out / "result.json").read_text())
 
 
-def _plan_bytes(model_path: Path, tp: int) -> dict:
-    """What the mapping's plan copies per sync on rank 0, and the rest of the rollout model's bytes (fp32)."""
+def _plan_bytes(model_path: Path, tp: int, views: bool) -> dict:
+    """What the mapping's plan copies per sync on rank 0, and the rest of the rollout model's bytes (fp32);
+    ``views``: with the plan's `view` class (split-K row-parallel weights)."""
     import torch
     from transformers import AutoConfig
 
@@ -114,7 +123,7 @@ def _plan_bytes(model_path: Path, tp: int) -> dict:
 
         page = granularity(0, recommended=True)
     spec = model_spec_from_config(AutoConfig.from_pretrained(model_path))
-    device = plan_sharding(spec, mapping_options(sharding_options(tp), 4, page)).devices[0]
+    device = plan_sharding(spec, mapping_options(sharding_options(tp), 4, page, views=views)).devices[0]
     copied = sum(t.copied_bytes for t in device.tensors)
     total = 4 * sum(g.numel for g in spec.groups)
     return {"aliased": total - copied, "copied": copied}
@@ -146,11 +155,17 @@ def main() -> None:
         tmp = Path(tmp_name)
         data = write_synthetic_video_dataset(tmp / "data", SyntheticVideoConfig(num_samples=16, seed=0, num_frames=4,
                                                                                 height=56, width=56, fps=2))
-        for name, backend, tp, share, mapping in [r for r in RUNS if r[2] <= args.max_tp]:
+        runs = [r for r in RUNS if r[2] <= args.max_tp]
+        results: dict[str, list[dict]] = {r[0]: [] for r in runs}
+        for repeat in range(args.repeats):  # alternating: a load spike hits one repeat of each, not one config
+            for name, backend, tp, share, mapping, views in runs:
+                mapping = args.weight_mapping if backend == "megatron" and mapping != "off" else mapping
+                results[name].append(_run(model_path, data, tmp / f"r{repeat}", name, backend, tp, share, mapping,
+                                          views, args))
+        for name, backend, tp, share, mapping, views in runs:
             mapping = args.weight_mapping if backend == "megatron" and mapping != "off" else mapping
             steps, metric, copied, aliased, decode, sync = [], [], [], [], [], []
-            for repeat in range(args.repeats):
-                result = _run(model_path, data, tmp / f"r{repeat}", name, backend, tp, share, mapping, args)
+            for result in results[name]:
                 steps += result["step_s"][1:]  # the first step warms up
                 metric += result["step_time_metric_s"][1:]
                 decode += result["decode_s"][1:]
@@ -158,6 +173,7 @@ def main() -> None:
                 copied += result["sync_bytes_copied"]
                 aliased += result["sync_bytes_aliased"]
             row = {"run": name, "backend": backend, "t": tp, "share_prefix": share, "weight_mapping": mapping,
+                   "row_parallel_views": views,
                    "step_s": statistics.median(steps), "step_s_all": steps,
                    "step_time_metric_s": statistics.median(metric),
                    "decode_s": statistics.median(decode) if decode else None,
@@ -166,7 +182,7 @@ def main() -> None:
                 row |= {"sync_bytes_copied": statistics.median(copied) if copied else None,
                         "sync_bytes_aliased": statistics.median(aliased) if aliased else None}
             if backend == "megatron" and mapping != "off":
-                row["plan"] = _plan_bytes(model_path, tp)
+                row["plan"] = _plan_bytes(model_path, tp, views != "off")
             rows.append(row)
     base = rows[0]["step_s"]
     default = next((r["step_s"] for r in rows if r["backend"] == "hf" and r["share_prefix"] != "off"), None)
@@ -177,7 +193,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": {"preset": args.preset, "steps": args.steps, "repeats": args.repeats,
                                         "G": args.G, "C": args.C, "cpus": os.cpu_count()}, "rows": rows}, indent=2))
-    print(f"{'run':<22} {'step s':>8} {'metric s':>9} {'decode s':>9} {'sync s':>7} {'x hf off':>9} {'x hf':>6} "
+    print(f"{'run':<26} {'step s':>8} {'metric s':>9} {'decode s':>9} {'sync s':>7} {'x hf off':>9} {'x hf':>6} "
           f"{'copied MiB/sync':>16} "
           f"{'aliased MiB':>12} "
           f"{'plan copied':>12} {'plan aliased':>13}")
@@ -190,7 +206,7 @@ def main() -> None:
         def sec(x):
             return "-" if x is None else f"{x:.3f}"
 
-        print(f"{row['run']:<22} {row['step_s']:>8.3f} {row['step_time_metric_s']:>9.3f} {sec(row['decode_s']):>9} "
+        print(f"{row['run']:<26} {row['step_s']:>8.3f} {row['step_time_metric_s']:>9.3f} {sec(row['decode_s']):>9} "
               f"{sec(row['weight_sync_s']):>7} "
               f"{row['vs_hf_prefix_off']:>9.2f} {row['vs_hf'] or 0:>6.2f} "
               f"{mib(row.get('sync_bytes_copied')):>16} {mib(row.get('sync_bytes_aliased')):>12} "

@@ -61,6 +61,10 @@ class RollplexGRPOConfig(GRPOConfig):
             the rollout model's tensors onto the training shards' shared memory, peers' shards included, so only
             tensors whose layouts are incompatible are copied after each optimizer step (auto: on CPU where
             /dev/shm has room and every TP rank is on one host).
+        rollplex_row_parallel_views (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): with the weight mapping at
+            t > 1, the rollout model reads its row-parallel weights (o_proj, down_proj) in place from every rank's
+            shards through a split-K Linear instead of a copy rebuilt after each optimizer step (auto: without
+            vLLM, which copies every weight anyway).
         rollplex_shm_all_reduce (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): on the Megatron backend at t > 1
             on CPU, the tensor-parallel all-reduces of every layer through one shared-memory file instead of gloo
             (auto: where the TP group shares one host and /dev/shm has room).
@@ -223,6 +227,20 @@ class RollplexGRPOConfig(GRPOConfig):
             "choices": ["auto", "on", "off"],
         },
     )
+    rollplex_row_parallel_views: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata={
+            "help": "With rollplex_backend='megatron', the weight mapping and t > 1: a row-parallel weight (o_proj, "
+            "down_proj) is split over the TP ranks along its input features, so in the transformers layout every "
+            "row holds a piece of every rank's shard and no page stitching makes it one tensor. 'on': the rollout "
+            "model reads it in place, as one strided (out, t, in / t) view of the mapped shards, through a split-K "
+            "Linear (the same sum grouped by shard: nothing copied after a step, no second copy held; checkpoints "
+            "still write the (out, in) weight). 'off': a copy rebuilt after each optimizer step. 'auto': 'on' "
+            "where the mapping runs and the rollout is the transformers model (with vLLM the engine copies every "
+            "weight anyway).",
+            "choices": ["auto", "on", "off"],
+        },
+    )
     rollplex_shm_all_reduce: Literal["auto", "on", "off"] = field(
         default="auto",
         metadata={
@@ -349,6 +367,7 @@ _RULES: dict[str, _Rule] = {
     "rollplex_backend": _Rule("choice", "'hf' or 'megatron'", choices=("hf", "megatron")),
     "rollplex_tensor_parallel_size": _Rule("int", "an integer >= 1", lambda v: v >= 1),
     "rollplex_weight_mapping": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
+    "rollplex_row_parallel_views": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
     "rollplex_shm_all_reduce": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
     "rollplex_pooled_rollout": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
     "rollplex_video_fps": _Rule("float", "a finite number > 0", lambda v: v > 0),
@@ -429,6 +448,10 @@ def _validate(cfg: RollplexGRPOConfig) -> None:
     if cfg.rollplex_backend != "megatron" and cfg.rollplex_weight_mapping == "on":
         raise ValueError("rollplex_weight_mapping='on' needs rollplex_backend='megatron' (the 'hf' backend trains "
                          "the rollout model itself: there is nothing to map)")
+    if cfg.rollplex_row_parallel_views == "on" and (cfg.rollplex_backend != "megatron"
+                                                     or cfg.rollplex_weight_mapping == "off"):
+        raise ValueError("rollplex_row_parallel_views='on' needs rollplex_backend='megatron' with "
+                         "rollplex_weight_mapping 'auto' or 'on' (the views read the mapped training shards)")
     if cfg.rollplex_backend != "megatron" and cfg.rollplex_shm_all_reduce == "on":
         raise ValueError("rollplex_shm_all_reduce='on' needs rollplex_backend='megatron' (the 'hf' backend has no "
                          "tensor-parallel all-reduce)")

@@ -32,4 +32,4 @@ def view_linear(x: torch.Tensor, weight: torch.Tensor, row_dims: int, bias: torc
         outs.append(acc)
     y = torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
     assert y.shape[-1] == math.prod(rows)
-    return y if bias is None else y + bias
+    return y if bias is None else y + bias.to(y.dtype)  # under autocast y is bf16, as F.linear's would be

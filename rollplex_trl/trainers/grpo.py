@@ -212,6 +212,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
             rollout_model=self.accelerator.unwrap_model(self.model), ref_model=ref,
             tensor_parallel_size=self.rollplex["rollplex_tensor_parallel_size"],
             weight_mapping=self.rollplex["rollplex_weight_mapping"],
+            row_parallel_views=self.rollplex["rollplex_row_parallel_views"],
             shm_all_reduce=self.rollplex["rollplex_shm_all_reduce"],
             pooled_rollout=self.rollplex["rollplex_pooled_rollout"], use_vllm=self.use_vllm,
             overlap=self.rollplex["rollplex_overlap"], seed=self.args.seed,

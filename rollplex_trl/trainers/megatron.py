@@ -117,7 +117,7 @@ class MegatronBackend:
     def __init__(self, *, rollout_model: nn.Module, ref_model: nn.Module | None, tensor_parallel_size: int,
                  seed: int, record: Callable[[str, float], None], is_main_process: bool,
                  weight_mapping: str = "auto", shm_all_reduce: str = "auto", pooled_rollout: str = "auto",
-                 use_vllm: bool = False, overlap: str = "auto") -> None:
+                 use_vllm: bool = False, overlap: str = "auto", row_parallel_views: str = "auto") -> None:
         from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel
 
         self.groups = init_model_parallel(tensor_parallel_size)
@@ -136,7 +136,7 @@ class MegatronBackend:
         self._rollout_model = rollout_model
         # read by the vLLM engine's weight sync: it must copy from this model, not move its tensors into vLLM's
         rollout_model.rollplex_weights_bound_to = "the Megatron training shards"
-        self.rollout, not_mapped = self._bind_rollout(weight_mapping)
+        self.rollout, not_mapped = self._bind_rollout(weight_mapping, row_parallel_views, use_vllm)
         self.all_reduce, all_reduce_note = self._route_all_reduce(shm_all_reduce, rollout_model.device)
         self.rollout_pool, pool_note = self._pool_rollout(pooled_rollout, rollout_model.device, use_vllm, overlap)
         if is_main_process:
@@ -152,11 +152,12 @@ class MegatronBackend:
 
         set_seed(seed + self.groups.dp_rank)
 
-    def _bind_rollout(self, mode: str):
+    def _bind_rollout(self, mode: str, views: str = "off", use_vllm: bool = False):
         """The rollout model's weights bound to the training parameters (rollplex_weight_mapping): mapped onto
         every TP rank's shared shards where it can run (`backends/megatron/mapped_weights.py`), else views of the
         local shards plus an all-gather rebuild (`rollout_weights.py`). Returns (binding, why not mapped or None);
-        the same choice on every TP rank."""
+        the same choice on every TP rank. ``views`` (rollplex_row_parallel_views): the mapped row-parallel weights
+        read in place by split-K Linears (`split_k.py`), not with vLLM (whose engine copies every weight)."""
         from rollplex_trl.backends.megatron import mapped_weights
         from rollplex_trl.backends.megatron.rollout_weights import LiveRolloutWeights
         from rollplex_trl.sharding import model_spec_from_config
@@ -164,18 +165,29 @@ class MegatronBackend:
         # every tensor of the rollout model, vision tower included (the policy's own spec covers the LLM only)
         spec, g = model_spec_from_config(self._rollout_model.config), self.groups
         reason = "rollplex_weight_mapping='off'"
+        if views == "on" and use_vllm:
+            raise ValueError("rollplex_row_parallel_views='on' reads the weights through the transformers rollout "
+                             "model; with use_vllm=True the engine copies every weight: use 'auto' or 'off'")
         if mode != "off":
             train = [p for _, p in self.policy.named_parameters()]
             mapping = mapped_weights.plan_mapping(
                 spec=spec, options=self.policy.options, rollout_model=self._rollout_model, train_params=train,
-                tp_rank=g.tp_rank, cuda_allowed=mode == "on")
+                tp_rank=g.tp_rank, cuda_allowed=mode == "on", row_parallel_views=views != "off" and not use_vllm)
             reason = mapped_weights.agree(mapping if isinstance(mapping, str) else None, g.tp_group, g.tp_size)
+            if reason is None and mapping.split_k_note is not None:
+                if views == "on":
+                    raise RuntimeError(f"rollplex_row_parallel_views='on' cannot serve this model: "
+                                       f"{mapping.split_k_note}; use 'auto' or 'off'")
+                logger.warning("rollplex: row-parallel weights copied after each step, not read in place: %s",
+                               mapping.split_k_note)
             if reason is None:
                 return mapped_weights.MappedRolloutWeights(mapping, spec, self._rollout_model, self._train_param,
                                                            g.tp_rank, g.tp_group, g.tp_size, g.dp_rank), None
             if mode == "on":
                 raise RuntimeError(f"rollplex_weight_mapping='on' cannot map the rollout weights: {reason}; use "
                                    "'auto' or 'off'")
+        if views == "on":
+            raise RuntimeError(f"rollplex_row_parallel_views='on' needs the weight mapping, which is off: {reason}")
         return LiveRolloutWeights(spec, self.policy.options, self._rollout_model, self._train_param, g.tp_rank,
                                   g.tp_group), reason
 
@@ -277,8 +289,9 @@ class MegatronBackend:
         """After the Trainer loaded a checkpoint into the transformers model: the training shards from it (the
         aliased tensors were loaded in place already; the copied ones were not)."""
         from rollplex_trl.backends.megatron import weights
+        from rollplex_trl.backends.megatron.split_k import logical_parameters
 
-        hf = dict(rollout_model.named_parameters())
+        hf = logical_parameters(rollout_model)  # split-K weights in their (out, in) shape
         state = weights.megatron_state(self.policy.spec, self.policy.options, self.groups.tp_rank, hf)
         with torch.no_grad():
             for name, param in self.policy.gpt.named_parameters():

@@ -25,14 +25,14 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 PAGE = 4096
 
 
-def _backend(path, dtype=torch.float32, mapping="on"):
+def _backend(path, dtype=torch.float32, mapping="on", **kwargs):
     from rollplex_trl.trainers.megatron import MegatronBackend
 
     records: list[tuple[str, float]] = []
     rollout = mw.load_hf(path, dtype=dtype)
     backend = MegatronBackend(rollout_model=rollout, ref_model=None, tensor_parallel_size=1, seed=0,
                               record=lambda k, v: records.append((k, v)), is_main_process=False,
-                              weight_mapping=mapping)
+                              weight_mapping=mapping, **kwargs)
     return backend, rollout, records
 
 
@@ -128,6 +128,20 @@ def test_reasons_not_to_map(one_process, tiny_vl_path, monkeypatch):
     assert isinstance(backend.rollout, LiveRolloutWeights)
     with pytest.raises(RuntimeError, match=r"rollplex_weight_mapping='on' cannot map .*--shm-size"):
         _backend(tiny_vl_path, mapping="on")
+    # split-K row-parallel views read the mapped shards: 'on' refuses when the mapping fell back
+    with pytest.raises(RuntimeError, match=r"rollplex_row_parallel_views='on' needs the weight mapping.*--shm-size"):
+        _backend(tiny_vl_path, mapping="auto", row_parallel_views="on")
+
+
+def test_row_parallel_views_refusals(one_process, tiny_vl_path):
+    from rollplex_trl import RollplexGRPOConfig
+
+    for kwargs in ({}, {"rollplex_backend": "megatron", "rollplex_weight_mapping": "off"}):
+        with pytest.raises(ValueError, match="rollplex_row_parallel_views='on' needs rollplex_backend='megatron'"):
+            RollplexGRPOConfig(output_dir="/tmp/unused", rollplex_row_parallel_views="on", report_to=[],
+                               use_cpu=True, **kwargs)
+    with pytest.raises(ValueError, match="with use_vllm=True the engine copies every weight"):
+        _backend(tiny_vl_path, row_parallel_views="on", use_vllm=True)
 
 
 def test_on_needs_the_megatron_backend():

@@ -131,22 +131,30 @@ def test_tensor_parallel_2_learns_what_hf_learns(tiny_vl_path, tmp_path):
         _check_mapped_across_processes(result, rank)
 
 
-def _check_mapped_across_processes(result: dict, rank: int) -> None:
+def _check_mapped_across_processes(result: dict, rank: int, split_k: bool = True) -> None:
     """rollplex_weight_mapping (auto: on) at t = 2: the rollout model equals the trained shards after the last sync;
     each tensor's pages lie in the training shards' shared files (a peer's too) or, for the copied ones, in this
     rank's rebuild buffer; every sync copied exactly the plan's copy bytes. What must be copied follows from the
-    layouts: a row-parallel weight (o_proj, down_proj: each HF row holds both ranks' columns, 128 bytes each) and
-    q/k/v's fused bias (128-byte pieces per KV group) do not lie on 4096-byte pages; everything else does."""
+    layouts: q/k/v's fused bias (128-byte pieces per KV group) does not lie on 4096-byte pages, nor does a
+    row-parallel weight (o_proj, down_proj: each HF row holds both ranks' columns, 128 bytes each), which with
+    rollplex_row_parallel_views (``split_k``) is read in place as one strided view of both ranks' shards instead;
+    everything else lies on pages."""
     binding = result["rollout"]
     assert binding["mapped"] and binding["unequal_to_trained"] == []
     files = binding["files"]
     peer = f"train-{1 - rank}"
+    row_parallel = {n for n in files if ".language_model.layers." in n and n.endswith(("o_proj.weight",
+                                                                                          "down_proj.weight"))}
+    biases = {n for n in files if ".language_model.layers." in n and n.endswith(("q_proj.bias", "k_proj.bias",
+                                                                                   "v_proj.bias"))}
     copied = {n for n, (mode, _) in files.items() if mode == "buffer"}
-    assert copied == {n for n in files if ".language_model.layers." in n and (
-        n.endswith(("o_proj.weight", "down_proj.weight")) or n.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")))}
+    assert copied == (biases if split_k else biases | row_parallel)
+    assert {n for n, (mode, _) in files.items() if mode == "split-k"} == (row_parallel if split_k else set())
     for name, (mode, backing) in files.items():
         if mode == "buffer":
             assert backing == [f"buffer-{rank}"], name
+        elif mode == "split-k":  # both ranks' column shards, nothing of the rebuild buffer
+            assert backing == ["train-0", "train-1"], (name, backing)
         else:
             assert set(backing) <= {"train-0", "train-1"}, (name, backing)
     assert any(peer in backing for _, backing in files.values())  # the peer's shard pages, mapped here
@@ -220,8 +228,11 @@ def test_tensor_parallel_2_under_trl_defaults_bf16(tiny_vl_path, tmp_path):
     """bf16 autocast + gradient checkpointing (TRL's defaults), with the weight mapping, the shared-memory
     all-reduce and the pooled rollout on and off (bit-identical: the same sampled tokens).
     Against the hf backend, measured when written: step 1 grad norm 7e-5 relative, entropy 6e-7; step 2 loss and KL
-    5e-3 relative (the bf16 rounding of two different kernels, amplified by one AdamW step). By step 3 the rollouts
-    sample different tokens (the rollout weights differ in the last bf16 bits), so only steps 1-2 are compared."""
+    5e-3 relative on a CPU with bf16 units (AMX), 2.7e-2 on one without (AVX2 only: torch emulates bf16 there and
+    rounds differently): the bf16 rounding of two different kernels, amplified by one AdamW step (an element whose
+    gradient is float noise moves by up to lr either way). Hence 6e-2 at step 2, which still catches a wrong update:
+    KL grows with the square of the step, so an update off by 25% moves it by ~50%. By step 3 the rollouts sample
+    different tokens (the rollout weights differ in the last bf16 bits), so only steps 1-2 are compared."""
     sys.path.insert(0, str(WORKER.parent))
     import trainer_worker
 
@@ -239,5 +250,7 @@ def test_tensor_parallel_2_under_trl_defaults_bf16(tiny_vl_path, tmp_path):
     assert ours[0]["grad_norm"] == pytest.approx(reference[0]["grad_norm"], rel=1e-3)
     assert ours[0]["entropy"] == pytest.approx(reference[0]["entropy"], rel=1e-4)
     assert ours[0]["reward"] == reference[0]["reward"] and ours[1]["reward"] == reference[1]["reward"]
-    for key in ("loss", "kl", "grad_norm", "entropy"):
-        assert ours[1][key] == pytest.approx(reference[1][key], rel=2e-2), key
+    step2 = {key: abs(ours[1][key] - reference[1][key]) / abs(reference[1][key])
+             for key in ("loss", "kl", "grad_norm", "entropy")}
+    print("bf16 step 2, relative to the hf backend:", step2)  # pytest -s; quoted in the docstring and docs
+    assert all(diff <= 6e-2 for diff in step2.values()), step2

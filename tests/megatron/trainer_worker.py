@@ -15,9 +15,11 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     rollplex_weight_mapping="off": views of local shards, the rest all-gathered), "vllm" (fp32, use_vllm=True in
     colocate mode through the trainer's real vLLM path, with the main suite's stand-in engine: a sampler holding its
     own copy of the weights, synced from the transformers model), "gloo" (rollplex_shm_all_reduce="off": the TP
-    all-reduces over gloo), "allranks" (rollplex_pooled_rollout="off": every TP rank decodes). Several join with
-    "+" (e.g. "bf16+views"). The Megatron runs pin rollplex_weight_mapping ("on", or "off" with "views") and, at
-    t > 1, rollplex_shm_all_reduce ("on", or "off" with "gloo") and rollplex_pooled_rollout ("on", or "off" with
+    all-reduces over gloo), "allranks" (rollplex_pooled_rollout="off": every TP rank decodes), "copyrows"
+    (rollplex_row_parallel_views="off": the row-parallel weights copied after each step, not read in place).
+    Several join with "+" (e.g. "bf16+views"). The Megatron runs pin rollplex_weight_mapping ("on", or "off" with
+    "views"), rollplex_row_parallel_views ("on", or "off" with "copyrows", "views" or "vllm") and, at t > 1,
+    rollplex_shm_all_reduce ("on", or "off" with "gloo") and rollplex_pooled_rollout ("on", or "off" with
     "allranks", "overlap" or "vllm", where it cannot run): never an auto decision."""
     sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..")]
     import torch
@@ -65,6 +67,7 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None, rollplex_backend=backend,
         rollplex_tensor_parallel_size=tp, rollplex_overlap="on" if "overlap" in flags else "auto",
         rollplex_weight_mapping="off" if "views" in flags else ("on" if backend == "megatron" else "auto"),
+        rollplex_row_parallel_views="off" if flags & {"copyrows", "views", "vllm"} or backend != "megatron" else "on",
         rollplex_shm_all_reduce="off" if "gloo" in flags or tp == 1 else "on",
         rollplex_pooled_rollout="off" if flags & {"allranks", "overlap", "vllm"} or tp == 1 else "on",
         use_vllm=vllm, vllm_mode="colocate",
@@ -88,8 +91,10 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         trainer.megatron.sync_rollout()
     if "save" in flags:
         trainer.save_model(f"{out}/final-{tag}")
+    from rollplex_trl.backends.megatron.split_k import logical_parameters
+
     model = trainer.accelerator.unwrap_model(trainer.model)
-    weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    weights = {n: p.detach().float().clone() for n, p in logical_parameters(model).items()}  # (out, in) shapes
     torch.save(weights, Path(out) / f"{tag}-rank{rank}-weights.pt")
     keys = ("loss", "kl", "grad_norm", "reward", "entropy")
     result = {"world": trainer.accelerator.num_processes,
@@ -118,10 +123,11 @@ def _rollout_binding(backend, model) -> dict:
     import torch
 
     from rollplex_trl.backends.megatron.mapped_weights import MappedRolloutWeights, backing_files
+    from rollplex_trl.backends.megatron.split_k import logical_parameters
 
     trained = backend.policy.hf_state_dict()
-    params = dict(model.named_parameters())
-    unequal = [n for n, value in trained.items() if not torch.equal(params[n].detach(), value)]
+    params, logical = dict(model.named_parameters()), logical_parameters(model)
+    unequal = [n for n, value in trained.items() if not torch.equal(logical[n].detach(), value)]
     out = {"unequal_to_trained": unequal, "mapped": isinstance(backend.rollout, MappedRolloutWeights)}
     if out["mapped"]:
         files = {}

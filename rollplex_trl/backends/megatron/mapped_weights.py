@@ -52,6 +52,8 @@ from rollplex_trl.backends.megatron.rollout_weights import (
     _contiguous_run,
     _hf_targets,
 )
+from rollplex_trl.backends.megatron.split_k import to_split_k
+from rollplex_trl.sharding.classify import VIEW
 from rollplex_trl.sharding.models import ModelSpec, ParamGroup
 from rollplex_trl.sharding.plan import LayoutMaps, ShardingOptions, ShardingPlan, plan_sharding, rollout_specs
 
@@ -68,16 +70,19 @@ class _Binding:
     start: int
     rows: int
     mode: str  # the rollout tensor's build mode: "direct", "mapped" or "buffer" (copied after every step)
+    split_k: bool = False  # a strided (out, t, in / t) view over t shards, read by a split-K Linear (split_k.py)
 
 
-def mapping_options(options: ShardingOptions, element_size: int, page_size: int) -> ShardingOptions:
+def mapping_options(options: ShardingOptions, element_size: int, page_size: int,
+                    views: bool = False) -> ShardingOptions:
     """The plan this binding executes: the backend's training layout, one full rollout replica per TP rank (r = 1,
     the transformers model), CPU pages, peer shards mapped rather than copied, no vocabulary padding and an
-    unsharded vision tower on the rollout side (the transformers model's), and no `view` class: a transformers
-    Linear needs a plain (out, in) weight, which a row-parallel weight split over ranks is not (copied instead)."""
+    unsharded vision tower on the rollout side (the transformers model's). ``views``: the plan's `view` class
+    (a row-parallel weight split over ranks as one strided view, read by `split_k.SplitKLinear`); without it
+    those weights are copied, since a plain transformers Linear needs a plain (out, in) weight."""
     return dataclasses.replace(options, rollout_tp=1, world_size=options.train_tp, page_size=page_size,
                                element_size=element_size, remote="map", vllm_vision="replicated",
-                               vllm_vocab_multiple=1, rollout_views=False)
+                               vllm_vocab_multiple=1, rollout_views=views)
 
 
 def plan_bindings(spec: ModelSpec, plan: ShardingPlan, device: int,
@@ -100,7 +105,8 @@ def plan_bindings(spec: ModelSpec, plan: ShardingPlan, device: int,
                     continue
                 start = _contiguous_run(rows, target.v_rows)
                 if start is not None:
-                    placed[target.name] = _Binding(target.name, name, start, len(target.v_rows), tensor.mode)
+                    placed[target.name] = _Binding(target.name, name, start, len(target.v_rows), tensor.mode,
+                                                   tensor.cls == VIEW)
         missing = [t.name for t in targets if t.name not in placed]
         if missing:
             raise ValueError(f"{missing[0]} is not a run of whole rows of one rollout tensor of {group.kind.key}")
@@ -125,13 +131,32 @@ class MappingPlan:
     bindings: list[_Binding]
     memory: Any  # sharding.executor.CpuMemory or CudaMemory
     dtype: torch.dtype
+    split_k_note: str | None = None  # split-K views were asked for but cannot serve this model: why
+
+
+def _split_k_problem(plan: ShardingPlan, bindings: list[_Binding], device: int, rollout_model: nn.Module) -> str | None:
+    """Why the plan's `view` tensors cannot be read by split-K Linears of ``rollout_model`` (None: they can)."""
+    layouts = {t.name: t for t in plan.devices[device].tensors}
+    for b in bindings:
+        if not b.split_k:
+            continue
+        view = layouts[b.rollout].result.view
+        module = rollout_model.get_submodule(b.hf_name.rpartition(".")[0])
+        if not b.hf_name.endswith(".weight") or type(module) is not nn.Linear:
+            return f"{b.hf_name} is a `view` tensor but not the weight of a plain nn.Linear"
+        if (b.start, b.rows) != (0, module.out_features) or view.row_dims != 1 or len(view.sizes) != 3:
+            return f"{b.hf_name}'s view {tuple(view.sizes)} is not (out, t, in / t) of one rollout tensor"
+    return None
 
 
 def plan_mapping(*, spec: ModelSpec, options: ShardingOptions, rollout_model: nn.Module,
-                 train_params: list[nn.Parameter], tp_rank: int, cuda_allowed: bool = False) -> MappingPlan | str:
+                 train_params: list[nn.Parameter], tp_rank: int, cuda_allowed: bool = False,
+                 row_parallel_views: bool = False) -> MappingPlan | str:
     """This process's mapping of its rollout weights onto the training shards, or why there is none (a string).
     Not a collective, never raises: the caller agrees on the answer over the TP group (`agree`), where a raise on
-    one rank would leave its peers waiting. `cuda_allowed`: take the never-run CUDA path."""
+    one rank would leave its peers waiting. `cuda_allowed`: take the never-run CUDA path. `row_parallel_views`:
+    read the row-parallel weights in place through split-K Linears (the plan's `view` class) where the model
+    allows, else copy them (`MappingPlan.split_k_note` says why)."""
     device = next(rollout_model.parameters()).device
     if device.type == "cuda" and not cuda_allowed:
         return ("the rollout model is on CUDA, where this mapping has never run (rollplex_weight_mapping='on' "
@@ -144,10 +169,18 @@ def plan_mapping(*, spec: ModelSpec, options: ShardingOptions, rollout_model: nn
     if len(dtypes) != 1:
         return f"training and rollout parameters have several dtypes {sorted(map(str, dtypes))}"
     dtype = dtypes.pop()
+    note = None
     try:
         memory = _memory(device)
-        plan = plan_sharding(spec, mapping_options(options, torch.empty(0, dtype=dtype).element_size(), memory.page))
-        bindings = plan_bindings(spec, plan, tp_rank, dict(rollout_model.named_parameters()))
+        esize = torch.empty(0, dtype=dtype).element_size()
+        hf_params = dict(rollout_model.named_parameters())
+        if row_parallel_views:
+            plan = plan_sharding(spec, mapping_options(options, esize, memory.page, views=True))
+            bindings = plan_bindings(spec, plan, tp_rank, hf_params)
+            note = _split_k_problem(plan, bindings, tp_rank, rollout_model)
+        if not row_parallel_views or note is not None:
+            plan = plan_sharding(spec, mapping_options(options, esize, memory.page))
+            bindings = plan_bindings(spec, plan, tp_rank, hf_params)
     except Exception as err:  # any failure is a reason, never a raise
         return f"the plan cannot bind the rollout model: {type(err).__name__}: {err}"
     if device.type == "cpu":  # tmpfs: writing past its size is a SIGBUS, so check the room first
@@ -158,7 +191,7 @@ def plan_mapping(*, spec: ModelSpec, options: ShardingOptions, rollout_model: nn
         if need * local_world * SHM_HEADROOM > free:
             return (f"{SHM_ROOT} has {free / 2**20:.0f} MiB free, the mapping needs {need / 2**20:.0f} MiB per "
                     f"process x {local_world} processes (raise the shared-memory size, e.g. docker run --shm-size)")
-    return MappingPlan(plan, bindings, memory, dtype)
+    return MappingPlan(plan, bindings, memory, dtype, note)
 
 
 def agree(reason: str | None, tp_group: dist.ProcessGroup | None, tp_size: int) -> str | None:
@@ -226,11 +259,15 @@ class MappedRolloutWeights(WeightVersionGuard):
         for b in self.bindings:
             param = hf_params[b.hf_name]
             rows = self.weights.tensors[b.rollout][b.start:b.start + b.rows]
-            view = rows.view(param.shape)
-            if not torch.equal(view, param.data):
+            # a split-K weight is compared in the view's (out, t, in / t) shape (its own already, after a bind)
+            view = rows if b.split_k else rows.view(param.shape)
+            if not torch.equal(view, param.data.reshape(view.shape)):
                 raise RuntimeError(f"rollout tensor {b.hf_name} differs from the training shards it would map: the "
                                    "two models were not built from the same weights")
-            param.data = view
+            if b.split_k:
+                to_split_k(rollout_model.get_submodule(b.hf_name.rpartition(".")[0]), view)
+            else:
+                param.data = view
             self._bound.append((b.hf_name, param, view.data_ptr()))
         self._barrier()  # no rank generates before every rank checked its views
 
@@ -258,16 +295,18 @@ class MappedRolloutWeights(WeightVersionGuard):
     def table(self) -> str:
         """The live classification, one line (logged once at start-up)."""
         n_copied = sum(b.mode == "buffer" for b in self.bindings)
+        n_split_k = sum(b.split_k for b in self.bindings)
         copied = [b.hf_name for b in self.bindings if b.mode == "buffer"]
         return (f"rollout weights mapped onto the training shards (shared memory, {self.tp_size} processes): "
                 f"{len(self.bindings) - n_copied} tensors aliased ({self.bytes_aliased / 2**20:.1f} MiB, of which "
-                f"{self.bytes_from_peers / 2**20:.1f} MiB in peers' shards; 0 bytes per sync), {n_copied} rebuilt "
-                f"after each optimizer step ({self.bytes_copied_per_sync / 2**20:.1f} MiB per sync; e.g. "
-                f"{copied[:2]})")
+                f"{self.bytes_from_peers / 2**20:.1f} MiB in peers' shards; 0 bytes per sync; {n_split_k} of them "
+                f"row-parallel weights read through split-K views), {n_copied} rebuilt after each optimizer step "
+                f"({self.bytes_copied_per_sync / 2**20:.2f} MiB per sync; e.g. {copied[:2]})")
 
     def classes(self) -> dict[str, str]:
-        """transformers name -> how its data is held: 'direct', 'mapped' (stitched pages) or 'buffer' (copied)."""
-        return {b.hf_name: b.mode for b in self.bindings}
+        """transformers name -> how its data is held: 'direct', 'mapped' (stitched pages), 'split-k' (stitched
+        pages read as an (out, t, in / t) view by a split-K Linear) or 'buffer' (copied)."""
+        return {b.hf_name: "split-k" if b.split_k else b.mode for b in self.bindings}
 
     # ---- the on-policy barrier (the guard: WeightVersionGuard) --------------------------------------------------
 
