@@ -28,7 +28,12 @@ def _shards_and_view(weight: torch.Tensor, t: int, gap: int = 37):
 
 @pytest.mark.parametrize("t", [2, 4])
 @pytest.mark.parametrize("bias", [False, True])
-def test_split_k_linear_computes_the_full_linear(t, bias):
+@pytest.mark.parametrize("leading", [(3, 5), (2, 40)], ids=["decode-sized", "prefill-sized"])
+def test_split_k_linear_computes_the_full_linear(t, bias, leading):
+    """Both kernel shapes (one batched GEMM up to BATCHED_ROWS input rows, a GEMM per shard above)."""
+    from rollplex_trl.backends.megatron.split_k import BATCHED_ROWS
+
+    assert (leading[0] * leading[1] <= BATCHED_ROWS) == (leading == (3, 5))
     torch.manual_seed(0)
     ref = nn.Linear(96, 40, bias=bias)
     module = nn.Linear(96, 40, bias=bias)
@@ -36,7 +41,7 @@ def test_split_k_linear_computes_the_full_linear(t, bias):
     flat, view = _shards_and_view(ref.weight.detach().clone(), t)
     to_split_k(module, view)
     assert isinstance(module, SplitKLinear) and module.weight.data_ptr() == flat.data_ptr()
-    x = torch.randn(3, 5, 96)
+    x = torch.randn(*leading, 96)
     with torch.no_grad():
         torch.testing.assert_close(module(x), ref(x), rtol=1e-6, atol=1e-6)
         # TRL's default: bf16 autocast (each block cast per call, as the full weight is)

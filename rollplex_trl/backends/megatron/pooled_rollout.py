@@ -93,11 +93,10 @@ class PooledRollout:
         self._rollouts += 1
         self._posted = False
         self.own_threads = torch.get_num_threads()
-        torch.set_num_threads(self.pooled_threads)
         try:
-            yield
+            with _threads(self.pooled_threads):
+                yield
         finally:
-            torch.set_num_threads(self.own_threads)
             self._post()
 
     def window(self, factory: Callable | None) -> Callable | None:
@@ -108,15 +107,14 @@ class PooledRollout:
 
         @contextlib.contextmanager
         def pooled(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Iterator[None]:
-            torch.set_num_threads(self.own_threads)  # what the window restores before its jobs
-            with factory(input_ids, attention_mask):
-                torch.set_num_threads(self.pooled_threads)
+            # the window is entered and its jobs run (after the decode) with this rank's own threads, the decode
+            # inside it with the group's; generate resumes with the group's (decoding() restores them)
+            with _threads(self.own_threads), factory(input_ids, attention_mask):
                 try:
-                    yield
+                    with _threads(self.pooled_threads):
+                        yield
                 finally:
-                    torch.set_num_threads(self.own_threads)
                     self._post()
-            torch.set_num_threads(self.pooled_threads)  # generate returns next; decoding() restores
 
         return pooled
 
@@ -140,3 +138,14 @@ class PooledRollout:
         if self._file is not None:
             self._file.close(unlink=False)
             self._file = None
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` within the block, restored after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
