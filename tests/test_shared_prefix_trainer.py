@@ -8,6 +8,7 @@ import logging
 
 import pytest
 from datasets import Dataset
+from transformers import AutoTokenizer
 
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 
@@ -78,11 +79,16 @@ def test_video_num_iterations_uses_old_logps(tiny_vl_path, tmp_path, video_datas
 def test_text_every_loss_type(tiny_qwen2_path, tmp_path, loss_type):
     prompts = [[{"role": "user", "content": f"count to {i} " * (1 + i % 3)}] for i in range(8)]
     dataset = Dataset.from_dict({"prompt": prompts})
+    # EOS biased up: the tiny random model would otherwise never end a completion within 6 tokens, every completion
+    # would have the same length, and the loss types' normalisers (per sequence, batch, constant) would coincide
+    eos = AutoTokenizer.from_pretrained(tiny_qwen2_path).eos_token_id
     kwargs = dict(loss_type=loss_type, gradient_accumulation_steps=2, per_device_train_batch_size=4,
-                  num_generations=4, max_steps=3, steps_per_generation=2)
+                  num_generations=4, max_steps=3, steps_per_generation=2,
+                  generation_kwargs={"sequence_bias": [[[eos], 4.0]]})
     on = _run(tiny_qwen2_path, dataset, tmp_path, "auto", **kwargs)
     off = _run(tiny_qwen2_path, dataset, tmp_path, "off", **kwargs)
     _assert_equivalent(on, off, steps=3)
+    assert off[0]["completions/min_length"] < off[0]["completions/max_length"]
 
 
 def test_video_peft_reference_is_adapter_disabled(tiny_vl_path, tmp_path, video_dataset):
