@@ -87,3 +87,32 @@ def test_to_split_k_refuses_what_it_cannot_serve():
         to_split_k(Custom(64, 16), view)
     with pytest.raises(ValueError, match=r"\(out, t, in / t\)"):
         to_split_k(nn.Linear(64, 8), view)
+
+
+def test_the_plan_binds_exactly_the_row_parallel_weights_and_checks_their_modules(tiny_vl_path):
+    """The mapping's plan at t = 2 with views (pure planning, no processes): its `view` tensors are o_proj and
+    down_proj of every layer, each a whole plain nn.Linear weight; a module the split-K Linear cannot replace is
+    reported (then the mapping copies those weights instead)."""
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    from rollplex_trl.backends.megatron import mapped_weights
+    from rollplex_trl.backends.megatron.weights import sharding_options
+    from rollplex_trl.sharding import model_spec_from_config, plan_sharding
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_vl_path, dtype=torch.float32)
+    spec = model_spec_from_config(AutoConfig.from_pretrained(tiny_vl_path))
+    plan = plan_sharding(spec, mapped_weights.mapping_options(sharding_options(2), 4, 4096, views=True))
+    bindings = mapped_weights.plan_bindings(spec, plan, 0, dict(model.named_parameters()))
+    split = {b.hf_name for b in bindings if b.split_k}
+    layers = model.config.text_config.num_hidden_layers
+    assert split == {f"model.language_model.layers.{i}.{m}.weight" for i in range(layers)
+                     for m in ("self_attn.o_proj", "mlp.down_proj")}
+    assert mapped_weights._split_k_problem(plan, bindings, 0, model) is None
+    without = plan_sharding(spec, mapped_weights.mapping_options(sharding_options(2), 4, 4096))
+    assert not any(b.split_k for b in mapped_weights.plan_bindings(spec, without, 0, dict(model.named_parameters())))
+
+    class Wrapped(nn.Linear):  # e.g. a quantised or adapter Linear
+        pass
+
+    model.model.language_model.layers[0].mlp.down_proj.__class__ = Wrapped
+    assert "not the weight of a plain nn.Linear" in mapped_weights._split_k_problem(plan, bindings, 0, model)
