@@ -117,7 +117,8 @@ class MegatronBackend:
     def __init__(self, *, rollout_model: nn.Module, ref_model: nn.Module | None, tensor_parallel_size: int,
                  seed: int, record: Callable[[str, float], None], is_main_process: bool,
                  weight_mapping: str = "auto", shm_all_reduce: str = "auto", pooled_rollout: str = "auto",
-                 use_vllm: bool = False, overlap: str = "auto", row_parallel_views: str = "auto") -> None:
+                 use_vllm: bool = False, overlap: str = "auto", row_parallel_views: str = "auto",
+                 activation_recompute: bool = False) -> None:
         from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel
 
         self.groups = init_model_parallel(tensor_parallel_size)
@@ -133,6 +134,11 @@ class MegatronBackend:
         for p in rollout_model.parameters():
             p.requires_grad_(False)  # also keeps accelerate from wrapping it in DDP: gradients are ours to reduce
         self.policy.requires_grad_(True)
+        recompute_note = "off (gradient_checkpointing=False)"
+        if activation_recompute:  # TRL's gradient_checkpointing: every LLM layer recomputed in the backward
+            from rollplex_trl.backends.megatron.recompute import enable_layer_recompute
+
+            recompute_note = f"every LLM layer ({enable_layer_recompute(self.policy.gpt)}, gradient_checkpointing)"
         self._rollout_model = rollout_model
         # read by the vLLM engine's weight sync: it must copy from this model, not move its tensors into vLLM's
         rollout_model.rollplex_weights_bound_to = "the Megatron training shards"
@@ -140,10 +146,10 @@ class MegatronBackend:
         self.all_reduce, all_reduce_note = self._route_all_reduce(shm_all_reduce, rollout_model.device)
         self.rollout_pool, pool_note = self._pool_rollout(pooled_rollout, rollout_model.device, use_vllm, overlap)
         if is_main_process:
-            logger.warning("rollplex: Megatron backend, t=%d, data-parallel %d; %s%s; TP all-reduce: %s; rollout: %s",
-                           self.groups.tp_size, self.groups.dp_size, self.rollout.table(),
+            logger.warning("rollplex: Megatron backend, t=%d, data-parallel %d; %s%s; TP all-reduce: %s; rollout: %s; "
+                           "activation recompute: %s", self.groups.tp_size, self.groups.dp_size, self.rollout.table(),
                            f" (not mapped across processes: {not_mapped})" if not_mapped else "", all_reduce_note,
-                           pool_note)
+                           pool_note, recompute_note)
             if not_mapped is None:  # the plan it executes, by parameter kind (logged once)
                 logger.info("rollplex: the rollout weight-mapping plan\n%s", self.rollout.plan.format())
         self._reduced = False  # whether this optimizer step's gradients were averaged over DP already

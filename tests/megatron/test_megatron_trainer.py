@@ -110,9 +110,16 @@ def _mapping_changes_nothing(tmp_path: Path, mapped: str, views: str) -> None:
 
 def test_tensor_parallel_2_learns_what_hf_learns(tiny_vl_path, tmp_path):
     """With the overlap on: the reference and actor prefix jobs run on Megatron (TP collectives) in the worker
-    thread while the rollout decodes; the scoring passes and the actor window take their states."""
+    thread while the rollout decodes; the scoring passes and the actor window take their states. With
+    gradient_checkpointing (every LLM layer and the vision tower recomputed in the backward, the actor's prefix
+    included) the same training bit for bit in fp32."""
     reference = _in_process(tiny_vl_path, tmp_path, "hf1")
     ranks = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "tp2", "overlap")
+    recomputed = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "tp2gc", "overlap+gc")
+    assert ranks[0]["recompute_layers"] == 0 and recomputed[0]["recompute_layers"] > 0
+    assert _without_timings(recomputed[0]["logs"]) == _without_timings(ranks[0]["logs"])
+    for rank in (0, 1):
+        _weights_close(tmp_path / f"tp2gc-rank{rank}-weights.pt", tmp_path / f"tp2-rank{rank}-weights.pt", 0.0)
     views = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "tp2views", "overlap+views+gloo")
     assert not views[0]["rollout"]["mapped"]
     # the mapping and the shared-memory all-reduce off (gloo) vs on: bit-identical (at t = 2 a + b = b + a)
@@ -225,7 +232,7 @@ def _close_step(x: dict, y: dict) -> None:
 
 
 def test_tensor_parallel_2_under_trl_defaults_bf16(tiny_vl_path, tmp_path):
-    """bf16 autocast + gradient checkpointing (TRL's defaults), with the weight mapping, the shared-memory
+    """bf16 autocast + gradient checkpointing (TRL's defaults: every LLM layer recomputed), with the weight mapping, the shared-memory
     all-reduce and the pooled rollout on and off (bit-identical: the same sampled tokens).
     Against the hf backend, measured when written: step 1 grad norm 7e-5 relative, entropy 6e-7; step 2 loss and KL
     5e-3 relative on a CPU with bf16 units (AMX), 2.7e-2 on one without (AVX2 only: torch emulates bf16 there and
@@ -241,6 +248,7 @@ def test_tensor_parallel_2_under_trl_defaults_bf16(tiny_vl_path, tmp_path):
     every_rank = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "mgbfviews", "bf16+views+gloo+allranks")
     assert ranks[0]["rollout"]["mapped"] and ranks[0]["rollout"]["unequal_to_trained"] == []
     assert ranks[0]["shm_all_reduce_calls"] > 0
+    assert ranks[0]["recompute_layers"] == ranks[1]["recompute_layers"] > 0  # gradient_checkpointing on the LLM
     # the first rank decoded with both ranks' threads (one each under torchrun here), the peer waited
     assert ranks[0]["pooled_threads"] == min(2, len(os.sched_getaffinity(0))) and every_rank[0]["pooled_threads"] == 0
     _mapping_changes_nothing(tmp_path, "mgbf", "mgbfviews")

@@ -62,7 +62,7 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     args = RollplexGRPOConfig(
         output_dir=output_dir, max_steps=3, per_device_train_batch_size=2, num_generations=2,
         gradient_accumulation_steps=2, max_completion_length=6, learning_rate=5e-3, beta=0.1, logging_steps=1,
-        report_to=[], seed=5, use_cpu=True, bf16=bf16, gradient_checkpointing=bf16,
+        report_to=[], seed=5, use_cpu=True, bf16=bf16, gradient_checkpointing=bf16 or "gc" in flags,
         save_strategy="steps" if "save" in flags else "no", save_steps=2,
         ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None, rollplex_backend=backend,
         rollplex_tensor_parallel_size=tp, rollplex_overlap="on" if "overlap" in flags else "auto",
@@ -108,6 +108,9 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         result["shm_all_reduce_calls"] = all_reduce.calls if all_reduce is not None else 0
         pool = trainer.megatron.rollout_pool
         result["pooled_threads"] = pool.pooled_threads if pool is not None else 0
+        # LLM layers whose activations are recomputed in the backward (gradient_checkpointing)
+        result["recompute_layers"] = sum(bool(vars(layer).get("rollplex_recompute"))
+                                         for layer in trainer.megatron.policy.gpt.decoder.layers)
     Path(out, f"{tag}-rank{rank}.json").write_text(json.dumps(result))
     import torch.distributed as dist
 
