@@ -232,8 +232,8 @@ def _close_step(x: dict, y: dict) -> None:
 
 
 def test_tensor_parallel_2_under_trl_defaults_bf16(tiny_vl_path, tmp_path):
-    """bf16 autocast + gradient checkpointing (TRL's defaults: every LLM layer recomputed), with the weight mapping, the shared-memory
-    all-reduce and the pooled rollout on and off (bit-identical: the same sampled tokens).
+    """bf16 autocast + gradient checkpointing (TRL's defaults: every LLM layer recomputed), with the weight
+    mapping, the shared-memory all-reduce and the pooled rollout on and off (bit-identical: the same sampled tokens).
     Against the hf backend, measured when written: step 1 grad norm 7e-5 relative, entropy 6e-7; step 2 loss and KL
     5e-3 relative on a CPU with bf16 units (AMX), 2.7e-2 on one without (AVX2 only: torch emulates bf16 there and
     rounds differently): the bf16 rounding of two different kernels, amplified by one AdamW step (an element whose
