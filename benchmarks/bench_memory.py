@@ -5,7 +5,8 @@ rollout. Each (mode, repeat) trains in a fresh worker process (a process's RSS k
 allocated before, so two runs must not share one), alternating off/on; the table shows medians over the repeats of:
 - the peak resident set (CPU: process RSS, `VmHWM` reset at each phase start) or peak allocated bytes (CUDA) per
   phase (rollout, score = the reference pass, train, optimizer, sync, idle) and over the step, after a warm-up step;
-- the step time (TRL's `step_time`, warm-up step dropped);
+- the step time on the wall clock (`bench_common.wall_step_clock`, warm-up step dropped; TRL's `step_time` in
+  the JSON);
 - with memory on: the ledger's registered device-resident bytes per phase (real storage sizes) next to the planner's
   prediction for the same objects (policy and reference weights, gradients, optimizer state in flight).
 The target (issue 14): the step's peak drops by at least the reference model's bytes plus the optimizer state's
@@ -76,6 +77,11 @@ def worker(args) -> dict:
     trainer = _trainer_class()(model=args.model, reward_funcs=[accuracy_reward, format_reward], args=config,
                                train_dataset=dataset)
     memory = trainer.phase_memory
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_common import wall_step_clock
+
+    clock = wall_step_clock()
+    trainer.add_callback(clock)
     trainer.train()
     ledger = memory.ledger
     # records of the steps after the warm-up: the first "idle" record ends step 1
@@ -88,7 +94,8 @@ def worker(args) -> dict:
         value = getattr(r, peak_key) or 0
         phase_peak[r.phase.value] = max(phase_peak.get(r.phase.value, 0), value)
         registered[r.phase.value] = max(registered.get(r.phase.value, 0), r.peak_bytes)
-    steps = [r["step_time"] for r in trainer.state.log_history if "step_time" in r][1:]
+    steps = clock.steps[1:]  # the wall-clock step, the warm-up step dropped
+    trl_steps = [r["step_time"] for r in trainer.state.log_history if "step_time" in r][1:]
     # seconds per phase per step (a phase may come in several pieces in one step: train around rollout and score)
     per_step: list[dict[str, float]] = [{}]
     for r in records:
@@ -105,7 +112,8 @@ def worker(args) -> dict:
         if memory.active else None
     offloaded = [r["rollplex/mem_activations_offloaded_bytes"] for r in trainer.state.log_history
                  if "rollplex/mem_activations_offloaded_bytes" in r][1:]
-    return {"mode": args.mode, "device": "cuda" if cuda else "cpu", "step_s": steps, "phase_s": phase_s,
+    return {"mode": args.mode, "device": "cuda" if cuda else "cpu", "step_s": steps, "trl_step_time_s": trl_steps,
+            "phase_s": phase_s,
             "activations_offloaded_bytes": statistics.median(offloaded) if offloaded else 0.0,
             "phase_peak_bytes": phase_peak, "step_peak_bytes": max(phase_peak.values()),
             "registered_peak_bytes": registered if memory.active else None, "plan_bytes": plan, "sizes": sizes,

@@ -5,7 +5,8 @@ Three RollplexGRPOTrainer runs on the same data and seed, differing only in the 
 - shared:   shared prefix, prefix jobs run right after decoding (the serial schedule of the same work);
 - overlap:  shared prefix, prefix jobs (reference, actor) run inside the decode window (CPU: the worker thread gets
             `--prefix-threads` cores, decoding keeps the rest).
-Reported per mode: median step time over the measured steps, and for the shared modes the decode time, prefix
+Reported per mode: median wall-clock step (`bench_common.wall_step_clock`; TRL's `step_time` beside it in the
+JSON) over the measured steps, and for the shared modes the decode time, prefix
 time, hidden time and critical path of each rollout window. The analytic bound of the overlap is
 min(T_prefix - dD, T_decode) (T_* from the shared run, dD = decode slowdown caused by the overlap); the achieved
 reduction is (T_decode + T_prefix)_shared - critical_path_overlap.
@@ -30,6 +31,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from bench_common import wall_step_clock
 
 
 def _run(mode: str, model_path, dataset, tmp: Path, args) -> dict:
@@ -60,6 +62,8 @@ def _run(mode: str, model_path, dataset, tmp: Path, args) -> dict:
     trainer = RollplexGRPOTrainer(model=str(model_path), reward_funcs=rewards, args=config, train_dataset=dataset)
     if trainer.overlap is not None:
         trainer.overlap.force_serial = mode == "shared"
+    clock = wall_step_clock()
+    trainer.add_callback(clock)
     trainer.train()
     logs = [r for r in trainer.state.log_history if "step_time" in r][1:]  # first step: warm-up
 
@@ -67,7 +71,8 @@ def _run(mode: str, model_path, dataset, tmp: Path, args) -> dict:
         values = [r[key] for r in logs if key in r]
         return statistics.median(values) if values else None
 
-    return {"step_s": med("step_time"), "decode_s": med("rollplex/decode_s"), "prefix_s": med("rollplex/prefix_s"),
+    return {"step_s": statistics.median(clock.steps[1:]), "trl_step_time_s": med("step_time"),
+            "decode_s": med("rollplex/decode_s"), "prefix_s": med("rollplex/prefix_s"),
             "hidden_s": med("rollplex/hidden_s"), "critical_path_s": med("rollplex/critical_path_s"),
             "timeline": str(tmp / mode / "rollplex_timeline.png")}
 

@@ -19,7 +19,8 @@ The prompt share P / (P + C) is set through C (generation forced to exactly C to
 
 `--compile` adds the shared path's decode step through the compiled forward (`rollplex_compile_decode="on"`, with
 its warm-up time: the compile); `--whole-step N` trains N video steps with shared-prefix decoding off and on,
-alternating, and reports the whole step and the rollout's decode time (TRL's `step_time`, `rollplex/decode_s`).
+alternating, and reports the whole step on the wall clock (`bench_common.wall_step_clock`; TRL's `step_time` in
+the JSON) and the rollout's decode time (`rollplex/decode_s`).
 
 Usage:  .venv/bin/python benchmarks/bench_shared_decode.py [--quick] [--compile] [--whole-step 4]
             [--out benchmarks/results/shared_decode.json]
@@ -37,6 +38,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from bench_common import wall_step_clock
 
 
 def _prompts(processor, num_prompts: int, frames: int, size: int):
@@ -234,11 +236,14 @@ def _whole_step(model_path, G: int, C: int, args, mode: str, tmp: Path, index: i
         rollplex_video_max_pixels=args.size * args.size, rollplex_prefix_chunk_prompts=args.prompts)
     trainer = RollplexGRPOTrainer(model=str(model_path), reward_funcs=[accuracy_reward, format_reward], args=config,
                                   train_dataset=dataset)
+    clock = wall_step_clock()
+    trainer.add_callback(clock)
     trainer.train()
     logs = trainer.state.log_history
     step_times = [r["step_time"] for r in logs if "step_time" in r][1:]  # the first step warms up
     decode = [r["rollplex/decode_s"] for r in logs if "rollplex/decode_s" in r][1:]
-    return {"step_s": statistics.median(step_times), "decode_s": statistics.median(decode) if decode else None,
+    return {"step_s": statistics.median(clock.steps[1:]), "trl_step_time_s": statistics.median(step_times),
+            "decode_s": statistics.median(decode) if decode else None,
             "prompt_tokens": max(r.get("num_tokens", 0) for r in logs) / steps / (G * args.prompts) - C}
 
 

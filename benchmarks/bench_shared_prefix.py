@@ -6,7 +6,8 @@ synthetic video task, identical except for `rollplex_share_prefix` ("off" = TRL'
 and measures, on the same generation batch:
 - the reference pass (no grad, reference model),
 - the actor pass (forward + backward of the log-probs),
-- the whole training step (transformers rollout + scoring + loss + optimizer), from TRL's `step_time` metric.
+- the whole training step (transformers rollout + scoring + loss + optimizer) on the wall clock
+  (`bench_common.wall_step_clock`; TRL's `step_time` metric beside it in the JSON).
 It reports medians of several repeats and the serial/shared ratios, and a memory figure: on CUDA the peak
 allocated bytes of each pass; on CPU (no allocator statistics) the bytes the actor pass saves for backward
 (autograd saved tensors, deduplicated by storage), which is what dominates activation memory.
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import quiet_checkpoint
+from bench_common import quiet_checkpoint, wall_step_clock
 
 
 def _saved_bytes(fn) -> int:
@@ -103,10 +104,13 @@ def _measure(trainer, args, C: int) -> dict:
     """Whole-step time from training (skipped for completions longer than --max-step-completion: decoding them
     on a CPU takes too long), then the reference and actor passes on one batch whose completions are random
     tokens of length exactly C (the passes' cost does not depend on which tokens they score)."""
-    steps = []
+    steps, trl_steps = [], []
     if C <= args.max_step_completion:
+        clock = wall_step_clock()
+        trainer.add_callback(clock)
         trainer.train()
-        steps = [r["step_time"] for r in trainer.state.log_history if "step_time" in r][1:]  # drop the warm-up step
+        steps = clock.steps[1:]  # the wall-clock step (bench_common.wall_step_clock), the warm-up step dropped
+        trl_steps = [r["step_time"] for r in trainer.state.log_history if "step_time" in r][1:]
     trainer.model.train()
     G = trainer.num_generations
     short = trainer.max_completion_length
@@ -141,6 +145,7 @@ def _measure(trainer, args, C: int) -> dict:
         "prompt_share": float(batch["prompt_mask"].sum()
                               / (batch["prompt_mask"].sum() + batch["completion_mask"].sum())),
         "step_s": statistics.median(steps) if steps else None,
+        "trl_step_time_s": statistics.median(trl_steps) if trl_steps else None,
         "ref_s": _median_time(ref_pass, args.repeats),
         "actor_s": _median_time(actor_pass, args.repeats),
     }
