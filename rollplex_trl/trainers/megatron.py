@@ -142,7 +142,8 @@ class MegatronBackend:
         self._rollout_model = rollout_model
         # read by the vLLM engine's weight sync: it must copy from this model, not move its tensors into vLLM's
         rollout_model.rollplex_weights_bound_to = "the Megatron training shards"
-        self.rollout, not_mapped = self._bind_rollout(weight_mapping, row_parallel_views, use_vllm)
+        self.rollout, not_mapped = self._bind_rollout(weight_mapping, row_parallel_views, use_vllm,
+                                                      log=is_main_process)
         self.all_reduce, all_reduce_note = self._route_all_reduce(shm_all_reduce, rollout_model.device)
         self.rollout_pool, pool_note = self._pool_rollout(pooled_rollout, rollout_model.device, use_vllm, overlap)
         if is_main_process:
@@ -158,7 +159,7 @@ class MegatronBackend:
 
         set_seed(seed + self.groups.dp_rank)
 
-    def _bind_rollout(self, mode: str, views: str = "off", use_vllm: bool = False):
+    def _bind_rollout(self, mode: str, views: str = "off", use_vllm: bool = False, log: bool = True):
         """The rollout model's weights bound to the training parameters (rollplex_weight_mapping): mapped onto
         every TP rank's shared shards where it can run (`backends/megatron/mapped_weights.py`), else views of the
         local shards plus an all-gather rebuild (`rollout_weights.py`). Returns (binding, why not mapped or None);
@@ -184,8 +185,9 @@ class MegatronBackend:
                 if views == "on":
                     raise RuntimeError(f"rollplex_row_parallel_views='on' cannot serve this model: "
                                        f"{mapping.split_k_note}; use 'auto' or 'off'")
-                logger.warning("rollplex: row-parallel weights copied after each step, not read in place: %s",
-                               mapping.split_k_note)
+                if log:  # the same on every rank: said once
+                    logger.warning("rollplex: row-parallel weights copied after each step, not read in place: %s",
+                                   mapping.split_k_note)
             if reason is None:
                 return mapped_weights.MappedRolloutWeights(mapping, spec, self._rollout_model, self._train_param,
                                                            g.tp_rank, g.tp_group, g.tp_size, g.dp_rank), None
