@@ -80,6 +80,9 @@ def worker(argv: list[str]) -> None:
                                      if "rollplex/sync_bytes_aliased" in r]}
     if int(os.environ.get("RANK", 0)) == 0:
         Path(out, "result.json").write_text(json.dumps(result))
+    # every rank done and the process groups released before the interpreter's exit, where gloo's threads could
+    # otherwise abort a rank ("terminate called without an active exception"; RollplexGRPOTrainer.end)
+    trainer.end()
 
 
 def _port() -> int:
