@@ -116,6 +116,7 @@ def test_recompute_is_exact_and_keeps_less(policy, batch, path, autocast):
     differ = [n for n, g in grads.items() if not torch.equal(g, grads_rc[n])]
     assert not differ, f"gradients differ with recompute on: {differ[:5]}"
     # the decoder layers' activations are no longer kept (what stays: embeddings, the vision tower's own, the head)
+    print(f"{path}, autocast={autocast}: saved bytes with recompute / without = {kept_rc / kept:.3f}")  # pytest -s
     assert kept_rc < 0.6 * kept, (kept_rc, kept)
 
 
