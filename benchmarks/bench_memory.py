@@ -77,8 +77,7 @@ def worker(args) -> dict:
     trainer = _trainer_class()(model=args.model, reward_funcs=[accuracy_reward, format_reward], args=config,
                                train_dataset=dataset)
     memory = trainer.phase_memory
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_common import wall_step_clock
+    from bench_common import wall_step_clock  # the script's folder is on sys.path (run as a script)
 
     clock = wall_step_clock()
     trainer.add_callback(clock)

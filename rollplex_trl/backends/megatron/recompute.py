@@ -13,40 +13,24 @@ run does not have. torch's non-reentrant checkpoint records the graph of everyth
 K/V get their gradient, and it restores autocast and the CPU RNG for the recompute itself.
 
 The recompute runs in the backward, after the prefix/suffix pass that set the core attention's K/V hook has ended;
-each checkpointed layer therefore re-installs, for its recompute, the hook that was active in its first run (the
-hooks are replay-safe: ``_Capture`` records only on its first call, ``_Serve`` stores nothing). Only training-mode
-forwards with autograd on are checkpointed: the reference and old-policy passes (no_grad) and eval forwards run
-as before. Exact: the recompute repeats the same kernels on the same inputs (tests/megatron/test_recompute.py
-compares gradients with it on and off bit for bit in fp32).
+each checkpointed layer therefore re-installs, for its recompute, the hook that was active in its first run, with
+the passes' own ``_hooked`` (which refuses to overwrite the hook of a pass still running). The hooks are
+replay-safe: ``_Capture`` records only on its first call, ``_Serve`` stores nothing. Only training-mode forwards
+with autograd on are checkpointed: the reference and old-policy passes (no_grad) and eval forwards run as before.
+Exact: the recompute repeats the same kernels on the same inputs (tests/megatron/test_recompute.py compares
+log-probs and gradients with it on and off bit for bit, fp32 and bf16 autocast).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-_MISSING = object()
-
-
-@contextlib.contextmanager
-def _prefix_hook_set(core_attention: nn.Module, hook: Any) -> Iterator[None]:
-    """``core_attention.prefix_hook = hook`` for the block (the first run already has it; the recompute needs it
-    back), then the instance attribute as it was."""
-    old = vars(core_attention).get("prefix_hook", _MISSING)
-    if hook is not None:
-        core_attention.prefix_hook = hook
-    try:
-        yield
-    finally:
-        if old is _MISSING:
-            vars(core_attention).pop("prefix_hook", None)
-        else:
-            core_attention.prefix_hook = old
+from rollplex_trl.backends.megatron.prefix import PrefixCoreAttention, _hooked
 
 
 def _checkpointed(layer: nn.Module, forward: Callable[..., Any], core_attention: nn.Module) -> Callable[..., Any]:
@@ -56,7 +40,9 @@ def _checkpointed(layer: nn.Module, forward: Callable[..., Any], core_attention:
         hook = vars(core_attention).get("prefix_hook")  # the pass's K/V hook (None outside a prefix/suffix pass)
 
         def replayable(*inner_args: Any, **inner_kwargs: Any) -> Any:
-            with _prefix_hook_set(core_attention, hook):
+            if hook is None or vars(core_attention).get("prefix_hook") is hook:
+                return forward(*inner_args, **inner_kwargs)  # the first run, inside its pass
+            with _hooked([core_attention], hook):  # the recompute, after the pass ended: its hook back
                 return forward(*inner_args, **inner_kwargs)
 
         return checkpoint(replayable, *args, use_reentrant=False, **kwargs)
@@ -67,8 +53,6 @@ def _checkpointed(layer: nn.Module, forward: Callable[..., Any], core_attention:
 def enable_layer_recompute(gpt: nn.Module) -> int:
     """Checkpoint every decoder layer of megatron-core's ``GPTModel`` ``gpt`` in training forwards (the layer's
     instance ``forward`` wrapped; idempotent). Returns the number of layers that recompute."""
-    from rollplex_trl.backends.megatron.prefix import PrefixCoreAttention
-
     layers = list(gpt.decoder.layers)
     for layer in layers:
         if getattr(layer, "rollplex_recompute", False):
