@@ -265,6 +265,47 @@ def keep_model_unwrapped(accelerator: Any, model: torch.nn.Module) -> None:
     accelerator.prepare_model = prepare_model
 
 
+# transformers' per-module gradient checkpointing state (why: TRL's `unwrap_model_for_generation` turns
+# checkpointing off for the whole generation, and the actor's prefix job runs inside it, in the decode window;
+# transformers keeps the state on each module as the flag `gradient_checkpointing` and the instance attribute
+# `_gradient_checkpointing_func`, which `gradient_checkpointing_disable` resets to a plain `checkpoint` without the
+# user's `gradient_checkpointing_kwargs`, so the state is snapshotted while it is on rather than re-enabled)
+CheckpointingState = list[tuple[torch.nn.Module, bool, Any]]
+_NO_FUNC = object()  # the module had no instance `_gradient_checkpointing_func`
+
+
+def checkpointing_state(model: torch.nn.Module) -> CheckpointingState:
+    """Each module's gradient checkpointing flag and function, as they are now (every module with the flag)."""
+    return _checkpointing_state_of([m for m in model.modules() if hasattr(m, "gradient_checkpointing")])
+
+
+def _checkpointing_state_of(modules: list[torch.nn.Module]) -> CheckpointingState:
+    return [(m, bool(m.gradient_checkpointing), vars(m).get("_gradient_checkpointing_func", _NO_FUNC))
+            for m in modules]
+
+
+def _apply_checkpointing_state(state: CheckpointingState) -> None:
+    for module, flag, func in state:
+        module.gradient_checkpointing = flag
+        if func is _NO_FUNC:
+            vars(module).pop("_gradient_checkpointing_func", None)
+        else:
+            module._gradient_checkpointing_func = func
+
+
+@contextlib.contextmanager
+def checkpointing_as(state: CheckpointingState) -> Iterator[None]:
+    """Within the block the modules checkpoint as in `state` (a `checkpointing_state` taken while training had it);
+    after it, as they did before the block. Safe while another thread decodes with the same modules under no_grad:
+    transformers checkpoints a layer (and drops its cache) only when grad mode, which is per thread, is on."""
+    before = _checkpointing_state_of([module for module, _, _ in state])
+    _apply_checkpointing_state(state)
+    try:
+        yield
+    finally:
+        _apply_checkpointing_state(before)
+
+
 CHECKPOINT_WITH_CACHE_FLAG = "_can_checkpoint_with_cache"  # transformers keeps a cache under checkpointing only then
 
 

@@ -1,5 +1,6 @@
 """Prefix work in the rollout's decode window: same learning, barriers, no state leaks, clean failures."""
 
+import functools
 import json
 import logging
 import threading
@@ -161,3 +162,38 @@ def test_auto_decides_and_logs(tiny_qwen2_path, tmp_path, caplog, monkeypatch):
     names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"decode", "ref", "micro-step"} <= names
     assert (tmp_path / "auto" / "rollplex_timeline.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_the_actor_prefix_job_checkpoints_like_the_training_forward(tiny_vl_path, tmp_path, video_dataset,
+                                                                   monkeypatch, overlap):
+    """The decode window opens inside TRL's generation context, which turns gradient checkpointing off; the actor's
+    prefix job (kept with its graph until the backward) must still checkpoint every decoder layer and vision block
+    that TRL's training forward checkpoints, or it keeps all of the prompt's activations. Counted at transformers'
+    own `checkpoint` (the function its checkpointing layers call), with the overlap concurrent and serial."""
+    import transformers.modeling_utils as modeling_utils
+
+    real_checkpoint = modeling_utils.checkpoint
+    calls = []  # (the checkpointed layer, its hidden states' shape) of every grad-enabled checkpointed forward
+
+    def layer_of(function):  # transformers passes partial(forward, layer, ...); the cascade suffix wraps that
+        while not isinstance(function, functools.partial):
+            function = next(cell.cell_contents for cell in function.__closure__ if callable(cell.cell_contents))
+        return function.args[0]
+
+    def counting_checkpoint(function, *args, **kwargs):
+        calls.append((layer_of(function), tuple(args[0].shape)))
+        return real_checkpoint(function, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_utils, "checkpoint", counting_checkpoint)  # read when checkpointing is enabled
+    trainer, logs, _ = _train(tiny_vl_path, video_dataset, tmp_path, overlap, max_steps=1, beta=0.0)
+    assert trainer.args.gradient_checkpointing and len(logs) == 1
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    decoder_layers, vision_blocks = list(model.model.language_model.layers), list(model.model.visual.blocks)
+    completion = trainer.args.max_completion_length
+    # decoder layers over the prompts (longer than any completion: the suffix pass runs C + 1 tokens at most)
+    prefix_layers = {id(layer) for layer, shape in calls if len(shape) == 3 and shape[1] > completion + 1}
+    checkpointed_blocks = {id(layer) for layer, _ in calls if any(layer is block for block in vision_blocks)}
+    assert prefix_layers == {id(layer) for layer in decoder_layers}, "decoder layers ran uncheckpointed"
+    assert checkpointed_blocks == {id(block) for block in vision_blocks}, "the vision tower ran uncheckpointed"
+    assert logs[0]["rollplex/prefix_s"] > 0  # the actor prefix was the window's job (beta=0: no reference job)

@@ -152,3 +152,30 @@ def test_no_module_but_trl_compat_imports_from_inside_trl():
                 offenders += [f"{path.relative_to(PACKAGE)}: trl.{a.name} is not public"
                               for a in node.names if not hasattr(trl, a.name)]
     assert not offenders, offenders
+
+
+def test_checkpointing_as_restores_what_generation_turned_off(tiny_vl_path):
+    """The snapshot/restore behind the actor prefix job's checkpointing (TRL's generation context turns it off):
+    inside the block every layer checkpoints with the user's kwargs (transformers' disable resets the function to a
+    plain `checkpoint`, which would drop them), concurrent no-grad decoding keeps its cache, and after the block the
+    modules are as the generation context left them."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_vl_path).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    training = trl_compat.checkpointing_state(model)
+    assert sum(flag for _, flag, _ in training) > len(model.model.language_model.layers)  # the vision blocks too
+    model.gradient_checkpointing_disable()  # what unwrap_model_for_generation does
+    generation = trl_compat.checkpointing_state(model)
+    assert not any(flag for _, flag, _ in generation)
+    layer = model.model.language_model.layers[0]
+    assert not trl_compat.checkpointing_is_non_reentrant(layer)  # the kwargs are gone
+    with trl_compat.checkpointing_as(training):
+        assert all(module.gradient_checkpointing for module, flag, _ in training if flag)
+        assert trl_compat.checkpointing_is_non_reentrant(layer)
+        with torch.no_grad():  # a decode step on another thread's grad mode: the cache survives
+            out = model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=True)
+        assert out.past_key_values is not None and out.past_key_values.get_seq_length() == 3
+    after = trl_compat.checkpointing_state(model)
+    assert [(m, f) for m, f, _ in after] == [(m, f) for m, f, _ in generation]
+    assert all(a is b for (_, _, a), (_, _, b) in zip(after, generation, strict=True))

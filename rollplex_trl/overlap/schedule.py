@@ -58,6 +58,10 @@ class PrefixJobs:
     # how a model's prefix states are built: None for the transformers passes (`precompute_prefix`, looked up when
     # the job runs), or the Megatron backend's (same signature)
     precompute: Callable[..., Precomputed] | None = None
+    # what the actor job runs inside: the policy's gradient checkpointing as training has it (the window opens inside
+    # TRL's generation context, which turns checkpointing off; without it the prompt's activations, vision tower
+    # included, would all be kept until the backward)
+    actor_checkpointing: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def for_window(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows, training: bool) -> Jobs:
         precompute = self.precompute or precompute_prefix
@@ -70,7 +74,7 @@ class PrefixJobs:
             return run
 
         def actor() -> Precomputed:
-            with torch.enable_grad(), self.autocast():
+            with torch.enable_grad(), self.autocast(), self.actor_checkpointing():
                 return precompute(self.policy, input_ids, attention_mask, rows, keep_graph=True,
                                   prompts_per_chunk=input_ids.size(0))
 

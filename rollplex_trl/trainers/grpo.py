@@ -20,6 +20,7 @@ Batches without prepared prompts (text, or images without the shared prefix) run
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -241,8 +242,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
         warn = logger.warning if self.accelerator.is_main_process else (lambda message: None)
         return OverlapSchedule(o["rollplex_overlap"], executor, record=record, broadcast=broadcast, warn=warn)
 
-    def _prefix_jobs(self):
-        jobs = self._policy_prefix_jobs()
+    def _prefix_jobs(self, actor_checkpointing=contextlib.nullcontext):
+        jobs = dataclasses.replace(self._policy_prefix_jobs(), actor_checkpointing=actor_checkpointing)
         # the reference prefix job runs in the decode window: the reference weights resident only while it runs
         return self.phase_memory.prefix_jobs(jobs) if self.phase_memory is not None else jobs
 
@@ -272,9 +273,14 @@ class RollplexGRPOTrainer(GRPOTrainer):
         weights = [*self.model.parameters(), *(self.ref_model.parameters() if self.ref_model is not None else [])]
         if self.megatron is not None:  # what the Megatron passes of the window read (the shards, the vision copy)
             weights += [p for _, p in self.megatron.trainable()]
+        # Taken before generation starts: TRL's generation context turns checkpointing off for the whole rollout,
+        # and the actor job, which runs inside it, must checkpoint as the training forward does (on Megatron: the
+        # vision tower, the HF module; its LLM has its own recompute)
+        checkpointing = trl_compat.checkpointing_state(self.accelerator.unwrap_model(self.model))
 
         def window(input_ids: torch.Tensor, attention_mask: torch.Tensor):
-            jobs = self._prefix_jobs().for_window(input_ids, attention_mask, rows, training=self.model.training)
+            jobs = self._prefix_jobs(functools.partial(trl_compat.checkpointing_as, checkpointing)).for_window(
+                input_ids, attention_mask, rows, training=self.model.training)
             if self._prefill_for_actor is not None and self._prefill_for_actor.state is not None:
                 jobs = [(name, job) for name, job in jobs if name != "actor"]  # the prefill already built it
             return self.overlap.window(jobs, weights, training=self.model.training)
