@@ -40,6 +40,9 @@ def _sum_checks(rank: int, record) -> None:
     from rollplex_trl.backends.megatron.shm_all_reduce import SharedMemoryAllReduce
 
     all_reduce = SharedMemoryAllReduce(None, slot_bytes=SLOT, timeout_s=600.0)
+    # rank 0 unlinks right after the mapping barrier: without this barrier rank 1 could look before it has (a race
+    # that failed once on a loaded machine)
+    dist.barrier()
     record("file unlinked once mapped", not _leftovers(), str(_leftovers()))
     gen = torch.Generator().manual_seed(100 + rank)  # different data on each rank
     for shape, dtype in [((3,), torch.float32), ((412, 512), torch.float32), ((50_001,), torch.bfloat16),
