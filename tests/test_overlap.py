@@ -164,14 +164,18 @@ def test_auto_decides_and_logs(tiny_qwen2_path, tmp_path, caplog, monkeypatch):
     assert (tmp_path / "auto" / "rollplex_timeline.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("overlap", ["on", "off"])
+@pytest.mark.parametrize(("overlap", "source"), [("on", "job"), ("off", "job"), ("off", "prefill")])
 def test_the_actor_prefix_job_checkpoints_like_the_training_forward(tiny_vl_path, tmp_path, video_dataset,
-                                                                   monkeypatch, overlap):
+                                                                   monkeypatch, overlap, source):
     """The decode window opens inside TRL's generation context, which turns gradient checkpointing off; the actor's
-    prefix job (kept with its graph until the backward) must still checkpoint every decoder layer and vision block
-    that TRL's training forward checkpoints, or it keeps all of the prompt's activations. Counted at transformers'
-    own `checkpoint` (the function its checkpointing layers call), with the overlap concurrent and serial."""
+    prefix (kept with its graph until the backward), built by the window's job or kept from the rollout's prefill,
+    must still checkpoint every decoder layer and vision block that TRL's training forward checkpoints, or it keeps
+    all of the prompt's activations. Counted at transformers' own `checkpoint` (the function its checkpointing
+    layers call), with the overlap concurrent and serial."""
     import transformers.modeling_utils as modeling_utils
+
+    if source == "job":  # else the rollout's prefill is kept as the actor's prefix (prefix/generation.py)
+        monkeypatch.setattr(RollplexGRPOTrainer, "_actor_from_prefill", lambda self: False)
 
     real_checkpoint = modeling_utils.checkpoint
     calls = []  # (the checkpointed layer, its hidden states' shape) of every grad-enabled checkpointed forward
@@ -196,4 +200,5 @@ def test_the_actor_prefix_job_checkpoints_like_the_training_forward(tiny_vl_path
     checkpointed_blocks = {id(layer) for layer, _ in calls if any(layer is block for block in vision_blocks)}
     assert prefix_layers == {id(layer) for layer in decoder_layers}, "decoder layers ran uncheckpointed"
     assert checkpointed_blocks == {id(block) for block in vision_blocks}, "the vision tower ran uncheckpointed"
-    assert logs[0]["rollplex/prefix_s"] > 0  # the actor prefix was the window's job (beta=0: no reference job)
+    # the actor prefix was the window's job, or no job ran (beta=0: no reference job)
+    assert (logs[0]["rollplex/prefix_s"] > 0) == (source == "job")

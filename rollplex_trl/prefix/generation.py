@@ -10,10 +10,15 @@ TRL's post-processing are unchanged.
 With `shared_decode` on (prefix/shared_decode.py) the cache is not expanded: the U prompts' K/V stay one copy per
 prompt, each row keeps only its own K/V, and attention merges the two parts exactly (cascade attention).
 
-`PrefillForActor`: where the actor's window prefix is due at these very weights and would be the same forward (the
-trainer decides: no autocast, no gradient checkpointing), the prefill keeps its autograd graph and is handed to the
-actor window, so the policy's prompt forward runs once per step instead of twice (no-grad prefill, then the actor's
-prefix job with its graph).
+The prefill calls the model's layers directly, so it runs inside `forward_context()`: the context the model's own
+forward has (accelerate wraps `forward` in its autocast under bf16/fp16, and TRL's `generate` runs through that
+wrapper), so the prompt's K/V are the ones TRL's own prefill would compute.
+
+`PrefillForActor`: where the actor's window prefix is due at these very weights (the trainer decides), the prefill
+keeps its autograd graph, checkpointed as training checkpoints (`PrefillForActor.checkpointing`: TRL's generation
+context turns checkpointing off), and is handed to the actor window: the same forward the actor's prefix job would
+run, so the policy's prompt forward runs once per step instead of twice (no-grad prefill, then the actor's prefix
+job with its graph).
 """
 
 from __future__ import annotations
@@ -41,12 +46,14 @@ class PrefillForActor:
     """Asks each `generate` call's prefill to keep its autograd graph for the actor window, and holds what it kept.
 
     `wanted()` is asked before the prefill (the trainer's conditions: training, the actor prefix due in this window
-    at these weights, and the same forward as the actor's: no autocast, no gradient checkpointing). `state` is then
-    the prefill's prefix (graph-carrying K/V, vision tower included) for the call's unique prompts, grouped exactly
-    as `precompute_prefix` groups them; the trainer takes it once.
+    at these weights). `checkpointing()` is the context the kept prefill runs in: the policy's gradient
+    checkpointing as training has it, as the actor's prefix job has it (`PrefixJobs.actor_checkpointing`). `state`
+    is then the prefill's prefix (graph-carrying K/V, vision tower included) for the call's unique prompts, grouped
+    exactly as `precompute_prefix` groups them; the trainer takes it once.
     """
 
     wanted: Callable[[], bool]
+    checkpointing: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     state: Precomputed | None = None
 
     def take(self) -> Precomputed | None:
@@ -116,7 +123,9 @@ def _use_shared_decode(mode: str, causal_lm: torch.nn.Module, kwargs: dict, num_
 def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None,
                    on_prefill=None, decode_window=None, shared_decode: str = "off",
                    num_generations: int | None = None, for_actor: PrefillForActor | None = None,
-                   compile_decode: str = "off") -> Iterator[None]:
+                   compile_decode: str = "off",
+                   forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                   ) -> Iterator[None]:
     """Inside the block, `model.generate(input_ids, attention_mask, ...)` prefills each unique prompt once.
 
     `rows` are the generation batch's prepared prompts (None for text-only prompts, grouped by their tokens).
@@ -126,14 +135,17 @@ def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None
     instead of copied to every row; "auto" decides by `num_generations` (G; the batch's rows per prompt if None).
     `for_actor`: keep the prefill's graph for the actor window where `for_actor.wanted()` (the decode only reads it).
     `compile_decode` ("auto", "on", "off"): shared-prefix decode steps through a compiled forward
-    (prefix/compiled_decode.py).
+    (prefix/compiled_decode.py). `forward_context()`: what the model's own forward runs inside (the trainer's
+    autocast); the prefill, which calls the layers directly, runs inside it too.
     """
     causal_lm = unwrap_model(model)
     original = causal_lm.generate  # the bound method (instance attribute lookups fall back to the class)
 
     def generate(input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
         keep = for_actor is not None and for_actor.wanted()
-        state, groups = _prefill_unique(causal_lm, input_ids, attention_mask, rows, keep_graph=keep)
+        checkpointing = for_actor.checkpointing if keep else contextlib.nullcontext
+        with forward_context(), checkpointing():
+            state, groups = _prefill_unique(causal_lm, input_ids, attention_mask, rows, keep_graph=keep)
         if keep:  # the decode below runs under no_grad: it reads these K/V without extending their graph
             for_actor.state = Precomputed(keys=groups.keys, state=state)
         rows_per_prompt = num_generations or input_ids.size(0) // max(1, len(groups.first_row))
@@ -159,7 +171,12 @@ def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None
         decoding = sd.decoding_with(causal_lm, cache) if shared else contextlib.nullcontext()
         step = (compiled_decode.compiled_decoding(causal_lm, sd.decoding_on_this_thread) if compiled
                 else contextlib.nullcontext())
-        with window, decoding, step:
+        # One autocast around all decode steps (the model's wrapped forward enters its own at every step, nested in
+        # this one): autocast then casts each weight to bf16 once per generate call instead of once per step, the
+        # same values. It closes before the window's serial prefix jobs run (exits go in reverse order): a cast
+        # cached under no_grad has no graph, and the actor's job needs one (autocast state is per thread, so the
+        # concurrent jobs on the worker thread never see this cache)
+        with window, decoding, step, forward_context():
             output = original(input_ids=input_ids, attention_mask=attention_mask, **{cache_kwarg(causal_lm): cache},
                               **kwargs)
         if shared:

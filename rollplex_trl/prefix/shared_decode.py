@@ -76,6 +76,7 @@ class SharedPrefixLayer(CacheLayerMixin):
         self.device = prefix_k.device
         self.is_initialized = True
         self.served: tuple[torch.Tensor, torch.Tensor] | None = None  # what the last update returned
+        self._prefix_cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         # The suffix buffers, allocated now rather than at the first update: every decode step then runs the same
         # code (a compiled decode step, prefix/compiled_decode.py, needs no separate graph for the first one)
         R = row_to_prompt.numel()
@@ -96,11 +97,12 @@ class SharedPrefixLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        if key_states.dtype != self.keys.dtype:
+        if key_states.dtype != self.keys.dtype or value_states.dtype != self.values.dtype:
             # the prompt's K/V were computed in another dtype than the decode's (a changed autocast): refuse
             # rather than round the completion's K/V to the prompt's dtype
-            raise RuntimeError(f"shared-prefix decoding: decode K/V in {key_states.dtype}, the prompt's in "
-                               f"{self.keys.dtype}; set rollplex_shared_decode='off'")
+            raise RuntimeError(f"shared-prefix decoding: decode K/V in {key_states.dtype}/{value_states.dtype}, "
+                               f"the prompt's in {self.keys.dtype}/{self.values.dtype}; "
+                               "set rollplex_shared_decode='off'")
         n = key_states.size(-2)
         if self.length + n > self.capacity:
             self._grow(self.length + n)
@@ -109,6 +111,15 @@ class SharedPrefixLayer(CacheLayerMixin):
         self.length += n
         self.served = (self.keys[:, :, : self.length], self.values[:, :, : self.length])
         return self.served
+
+    def prefix_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt's K/V in the attention's dtype, cast once per decode rather than at every step (under
+        autocast the model's own SDPA would cast the whole cache at every step: the same values)."""
+        if self.prefix_k.dtype == dtype and self.prefix_v.dtype == dtype:
+            return self.prefix_k, self.prefix_v
+        if dtype not in self._prefix_cast:
+            self._prefix_cast[dtype] = (self.prefix_k.to(dtype), self.prefix_v.to(dtype))
+        return self._prefix_cast[dtype]
 
     def get_seq_length(self) -> int:
         return self.offset + self.length
@@ -198,6 +209,15 @@ def _suffix_keep(attention_mask: torch.Tensor | None, offset: int, q_len: int, s
     return mask > torch.finfo(mask.dtype).min / 2
 
 
+def attention_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype:
+    """The dtype the model's own attention computes in: under autocast, SDPA and matmul cast their inputs to the
+    autocast dtype (the K cache is fp32 there: RoPE's fp32 cos/sin promote it; V is bf16), else the inputs'."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+
+
 def _make_attention(base: str):
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
@@ -212,8 +232,10 @@ def _make_attention(base: str):
         if keep is not None:
             keep = keep.to(query.device)
         scale = scaling if scaling is not None else query.size(-1) ** -0.5
-        out = cascade_attention(query, layer.prefix_k, layer.prefix_v, layer.prefix_mask, layer.row_to_prompt,
-                                key, value, keep, scale, groups=layer.groups)
+        dtype = attention_dtype(query, key, value)
+        prefix_k, prefix_v = layer.prefix_as(dtype)
+        out = cascade_attention(query.to(dtype), prefix_k, prefix_v, layer.prefix_mask, layer.row_to_prompt,
+                                key.to(dtype), value.to(dtype), keep, scale, groups=layer.groups)
         return out.transpose(1, 2).contiguous(), None
 
     return attention

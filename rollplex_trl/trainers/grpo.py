@@ -266,20 +266,26 @@ class RollplexGRPOTrainer(GRPOTrainer):
                           actor=self.support.share_actor and window_is_generation, autocast=self.accelerator.autocast,
                           prompts_per_chunk=self.rollplex["rollplex_prefix_chunk_prompts"], **backend)
 
-    def _decode_window(self, rows: list[PreparedPrompt] | None):
-        """The decode-window context for `shared_prefill` / the vLLM rollout, or None without an overlap schedule."""
+    def _training_checkpointing(self):
+        """A context factory: the policy's gradient checkpointing as it is now, restored inside the block. Taken
+        before generation starts: TRL's generation context turns checkpointing off for the whole rollout, and the
+        actor's prefix, built inside it (the decode window's job or the kept prefill), must checkpoint as the
+        training forward does (on Megatron: the vision tower, the HF module; its LLM has its own recompute)."""
+        state = trl_compat.checkpointing_state(self.accelerator.unwrap_model(self.model))
+        return functools.partial(trl_compat.checkpointing_as, state)
+
+    def _decode_window(self, rows: list[PreparedPrompt] | None, checkpointing=None):
+        """The decode-window context for `shared_prefill` / the vLLM rollout, or None without an overlap schedule.
+        `checkpointing`: a `_training_checkpointing()` taken before generation (taken here if None)."""
         if self.overlap is None:
             return None
         weights = [*self.model.parameters(), *(self.ref_model.parameters() if self.ref_model is not None else [])]
         if self.megatron is not None:  # what the Megatron passes of the window read (the shards, the vision copy)
             weights += [p for _, p in self.megatron.trainable()]
-        # Taken before generation starts: TRL's generation context turns checkpointing off for the whole rollout,
-        # and the actor job, which runs inside it, must checkpoint as the training forward does (on Megatron: the
-        # vision tower, the HF module; its LLM has its own recompute)
-        checkpointing = trl_compat.checkpointing_state(self.accelerator.unwrap_model(self.model))
+        checkpointing = checkpointing or self._training_checkpointing()
 
         def window(input_ids: torch.Tensor, attention_mask: torch.Tensor):
-            jobs = self._prefix_jobs(functools.partial(trl_compat.checkpointing_as, checkpointing)).for_window(
+            jobs = self._prefix_jobs(checkpointing).for_window(
                 input_ids, attention_mask, rows, training=self.model.training)
             if self._prefill_for_actor is not None and self._prefill_for_actor.state is not None:
                 jobs = [(name, job) for name, job in jobs if name != "actor"]  # the prefill already built it
@@ -418,13 +424,16 @@ class RollplexGRPOTrainer(GRPOTrainer):
         def log(rows_count: int, prompts: int) -> None:
             self._record("rollplex/prefill_rows_per_prompt", rows_count / max(1, prompts))
 
-        self._prefill_for_actor = PrefillForActor(wanted=self._actor_from_prefill)
-        window = self._decode_window(rows)
+        checkpointing = self._training_checkpointing()
+        self._prefill_for_actor = PrefillForActor(wanted=self._actor_from_prefill, checkpointing=checkpointing)
+        window = self._decode_window(rows, checkpointing)
+        # the prefill runs in the autocast accelerate wraps the model's forward in, as TRL's `generate` does
         with shared_prefill(self.accelerator.unwrap_model(self.model), rows, on_prefill=log,
                             decode_window=pool.window(window) if pool is not None else window,
                             shared_decode=self.rollplex["rollplex_shared_decode"], num_generations=num_generations,
                             for_actor=self._prefill_for_actor,
-                            compile_decode=self.rollplex["rollplex_compile_decode"]):
+                            compile_decode=self.rollplex["rollplex_compile_decode"],
+                            forward_context=self.accelerator.autocast):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
 
@@ -462,12 +471,11 @@ class RollplexGRPOTrainer(GRPOTrainer):
     def _actor_from_prefill(self) -> bool:
         """Whether this rollout's shared prefill can be the actor window's prefix: the window is this generation's
         (no optimizer step between them, so the weights are the same), the actor's prefix would be built from the
-        same forward (no autocast: TRL generates outside it; no gradient checkpointing: TRL generates without it,
-        so the graph would hold every activation the checkpointed actor prefix recomputes; no phase memory, whose
-        activation offload wraps the actor's prefix job), and the policy is the transformers model that decodes."""
+        same forward (the prefill runs under the trainer's autocast, as TRL's generate and the actor's job do, and,
+        when kept, checkpointed as training checkpoints; no phase memory, whose activation offload wraps the actor's
+        prefix job), and the policy is the transformers model that decodes."""
         return (self.model.training and self.actor_window is not None and self.megatron is None
-                and self.phase_memory is None and self.accelerator.mixed_precision == "no"
-                and not self.args.gradient_checkpointing and self._policy_prefix_jobs().actor)
+                and self.phase_memory is None and self._policy_prefix_jobs().actor)
 
     def _take_actor_prefix(self):
         """The actor window's precomputed prefix: the rollout's prefill kept for it, else the decode window's job."""

@@ -1,7 +1,7 @@
 """The rollout's prefill kept as the actor window's prefix (prefix/generation.py `PrefillForActor`).
 
-Where the actor's prefix is due at the rollout's weights and would be the same forward (no autocast, no gradient
-checkpointing), the prefill keeps its graph and the actor's prefix job is not run. The reference is the same
+Where the actor's prefix is due at the rollout's weights, the prefill (under the trainer's autocast, checkpointed as
+training checkpoints) keeps its graph and the actor's prefix job is not run. The reference is the same
 training with the reuse switched off (the prefix then built by the decode window's actor job): losses, rewards,
 KL, grad norms and final weights must be equal, with one policy prompt forward fewer per generation.
 """
@@ -80,10 +80,29 @@ def test_prefill_serves_the_actor_exactly(tiny_vl_path, tmp_path, monkeypatch, o
         assert torch.allclose(w_reused[name], w, rtol=1e-6, atol=1e-8), name
 
 
-def test_not_reused_where_the_actor_forward_differs(tiny_vl_path, tmp_path, monkeypatch):
-    """TRL's defaults (bf16 autocast, gradient checkpointing): TRL generates outside both, so the prefill is not
-    the actor's forward; it is then built by the actor's own job, as before."""
+def test_prefill_serves_the_actor_under_trl_defaults(tiny_vl_path, tmp_path, monkeypatch):
+    """TRL's defaults (bf16 autocast, gradient checkpointing, beta 0, dapo): the prefill runs under the trainer's
+    autocast (as TRL's generate does through accelerate's wrapped forward) and, kept for the actor, checkpointed as
+    the training forward is, so it is the actor job's forward: the same training as with the job building it."""
     dataset = Dataset.from_list(video_rows(tmp_path))
-    _, _, forwards = _train(tiny_vl_path, dataset, tmp_path, "defaults", monkeypatch, reuse=True, bf16=True,
-                            gradient_checkpointing=True, beta=0.0, loss_type="dapo", max_steps=1)
+    defaults = dict(bf16=True, gradient_checkpointing=True, beta=0.0, loss_type="dapo")
+    reused, w_reused, f_reused = _train(tiny_vl_path, dataset, tmp_path, "reused", monkeypatch, reuse=True,
+                                        **defaults)
+    built, w_built, f_built = _train(tiny_vl_path, dataset, tmp_path, "built", monkeypatch, reuse=False,
+                                     **defaults)
+    assert f_reused == {"kept_prefills": 3, "graph_prefixes": 3}, f_reused
+    assert f_built == {"kept_prefills": 0, "graph_prefixes": 3}, f_built
+    for step, (a, b) in enumerate(zip(reused, built, strict=True)):
+        for key in (k for k in KEYS if k in b):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-8), f"{key} differs at step {step}"
+    assert any(r["grad_norm"] > 0 for r in built)
+    for name, w in w_built.items():
+        assert torch.allclose(w_reused[name], w, rtol=1e-6, atol=1e-8), name
+
+
+def test_not_reused_with_activation_offload(tiny_vl_path, tmp_path, monkeypatch):
+    """Phase memory's activation offload wraps the actor's prefix job: the prefill is not kept for it then."""
+    dataset = Dataset.from_list(video_rows(tmp_path))
+    _, _, forwards = _train(tiny_vl_path, dataset, tmp_path, "memory", monkeypatch, reuse=True,
+                            rollplex_memory="on", max_steps=1)
     assert forwards == {"kept_prefills": 0, "graph_prefixes": 1}, forwards
