@@ -51,7 +51,7 @@ RUNS = [("hf, prefix off", "hf", 1, "off", "auto", "auto"), ("hf (shared prefix)
 
 def worker(argv: list[str]) -> None:
     """One training run (in a child process; under torchrun for t > 1); writes its step times and sync bytes."""
-    model_path, data, out, backend, tp, share, mapping, views, steps, G, C = argv
+    model_path, data, out, backend, tp, share, mapping, views, steps, G, C, precision = argv
     import torch
     from bench_common import wall_step_clock
 
@@ -62,7 +62,8 @@ def worker(argv: list[str]) -> None:
         output_dir=out, max_steps=int(steps), per_device_train_batch_size=int(G) * 2, num_generations=int(G),
         max_completion_length=int(C), generation_kwargs={"min_new_tokens": int(C)}, beta=0.04, learning_rate=1e-6,
         logging_steps=1, report_to=[], save_strategy="no", seed=0, use_cpu=not torch.cuda.is_available(),
-        bf16=False, gradient_checkpointing=True, ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
+        bf16=precision == "bf16", gradient_checkpointing=True,
+        ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
         rollplex_backend=backend, rollplex_tensor_parallel_size=int(tp), rollplex_share_prefix=share,
         rollplex_weight_mapping=mapping, rollplex_row_parallel_views=views,
         rollplex_video_max_frames=4, rollplex_video_min_pixels=28 * 28 * 4, rollplex_video_max_pixels=56 * 56)
@@ -95,7 +96,7 @@ def _run(model_path: Path, data: Path, tmp: Path, name: str, backend: str, tp: i
          views: str, args) -> dict:
     out = tmp / name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "").replace("=", "")
     common = [str(model_path), str(data), str(out), backend, str(tp), share, mapping, views, str(args.steps),
-              str(args.G), str(args.C)]
+              str(args.G), str(args.C), "bf16" if args.bf16 else "fp32"]
     threads = max(1, (os.cpu_count() or 2) // tp)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
     if tp > 1:
@@ -144,6 +145,9 @@ def main() -> None:
     parser.add_argument("--weight-mapping", default="auto", choices=["auto", "on"],
                         help="rollplex_weight_mapping of the mapped Megatron runs (on a GPU 'auto' does not map: "
                              "'on' takes the never-run CUDA VMM path)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="TRL's default bf16 autocast for every run (default: fp32; gradient checkpointing is on "
+                             "in both)")
     parser.add_argument("--out", default="benchmarks/results/megatron.json")
     args = parser.parse_args()
     if args.quick:
@@ -194,8 +198,9 @@ def main() -> None:
         row["vs_hf"] = row["step_s"] / default if default else None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": {"preset": args.preset, "steps": args.steps, "repeats": args.repeats,
-                                        "G": args.G, "C": args.C, "cpus": os.cpu_count()}, "rows": rows}, indent=2))
+    meta = {"preset": args.preset, "steps": args.steps, "repeats": args.repeats, "G": args.G, "C": args.C,
+            "cpus": os.cpu_count(), "precision": "bf16 autocast" if args.bf16 else "fp32"}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"{'run':<26} {'step s':>8} {'metric s':>9} {'decode s':>9} {'sync s':>7} {'x hf off':>9} {'x hf':>6} "
           f"{'copied MiB/sync':>16} "
           f"{'aliased MiB':>12} "
