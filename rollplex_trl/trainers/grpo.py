@@ -371,10 +371,11 @@ class RollplexGRPOTrainer(GRPOTrainer):
             self.megatron.sync_rollout()
             pool = self.megatron.rollout_pool
             if pool is None:  # every TP rank decodes
-                completion_ids, logprobs = self._rollout(prompt_ids, images, multimodal_fields, num_generations,
-                                                         has_tool_images)
+                with self.megatron.rollout_casts_cached():
+                    completion_ids, logprobs = self._rollout(prompt_ids, images, multimodal_fields, num_generations,
+                                                             has_tool_images)
             elif pool.decodes:  # the group's first rank, with the group's threads
-                with pool.decoding():
+                with pool.decoding(), self.megatron.rollout_casts_cached():
                     completion_ids, logprobs = self._rollout(prompt_ids, images, multimodal_fields,
                                                              num_generations, has_tool_images, pool=pool)
             else:  # a peer: the rollout's decode window only (its prefix jobs are TP collectives)

@@ -24,6 +24,7 @@ Around TRL's step:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -140,6 +141,7 @@ class MegatronBackend:
 
             recompute_note = f"every LLM layer ({enable_layer_recompute(self.policy.gpt)}, gradient_checkpointing)"
         self._rollout_model = rollout_model
+        self._use_vllm = use_vllm
         # read by the vLLM engine's weight sync: it must copy from this model, not move its tensors into vLLM's
         rollout_model.rollplex_weights_bound_to = "the Megatron training shards"
         self.rollout, not_mapped = self._bind_rollout(weight_mapping, row_parallel_views, use_vllm,
@@ -348,6 +350,16 @@ class MegatronBackend:
             self.record("rollplex/sync_bytes_aliased", float(stats.bytes_aliased))
             self.record("rollplex/weight_sync_s", stats.seconds)
         self.rollout.check_fresh()
+
+    def rollout_casts_cached(self) -> contextlib.AbstractContextManager:
+        """The transformers rollout's context: autocast keeps its casts of the frozen rollout model's weights across
+        the decode steps (backends/megatron/rollout_weights.py `autocast_caches_weights`). vLLM generates outside
+        autocast in its own copy of the weights: nothing to do there."""
+        if self._use_vllm:
+            return contextlib.nullcontext()
+        from rollplex_trl.backends.megatron.rollout_weights import autocast_caches_weights
+
+        return autocast_caches_weights(self._rollout_model)
 
     def release_process_groups(self) -> None:
         """The end of the run (`trainer.end()`): the rollout model takes the last weights (a collective at t > 1,

@@ -253,6 +253,14 @@ def test_tensor_parallel_2_under_trl_defaults_bf16(tiny_vl_path, tmp_path):
     assert ranks[0]["pooled_threads"] == min(2, len(os.sched_getaffinity(0))) and every_rank[0]["pooled_threads"] == 0
     _mapping_changes_nothing(tmp_path, "mgbf", "mgbfviews")
     assert _without_timings(ranks[0]["logs"]) == _without_timings(ranks[1]["logs"])
+    # the frozen rollout model's weights (split-K views included) cast once per generate call, not at every decode
+    # step as autocast does for frozen weights (rollout_weights.autocast_caches_weights); its flags restored
+    decoded = [result["rollout_weight_casts"] for result in (ranks[0], *every_rank)]
+    assert ranks[1]["rollout_weight_casts"]["calls"] == []  # the pooled rollout's peer does not decode
+    for counts in decoded:
+        assert counts["calls"] and all(call["steps"] >= 2 for call in counts["calls"]), counts
+        assert all(0 < call["casts"] <= counts["weights"] for call in counts["calls"]), counts
+    assert all(result["rollout_frozen"] for result in (*ranks, *every_rank))
     ours = ranks[0]["logs"]
     assert ours[0]["loss"] == pytest.approx(reference[0]["loss"], abs=1e-6)
     assert ours[0]["grad_norm"] == pytest.approx(reference[0]["grad_norm"], rel=1e-3)

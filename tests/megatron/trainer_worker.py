@@ -81,6 +81,7 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     if backend == "hf":  # the reference runs: the weights before training (the tests compare updates)
         initial = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()}
         torch.save(initial, Path(out) / f"{tag}-rank{rank}-initial.pt")
+    casts = _count_rollout_weight_casts(trainer) if bf16 and backend == "megatron" else None
     if resume:
         import torch.distributed as dist
 
@@ -111,12 +112,55 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         # LLM layers whose activations are recomputed in the backward (gradient_checkpointing)
         result["recompute_layers"] = sum(bool(vars(layer).get("rollplex_recompute"))
                                          for layer in trainer.megatron.policy.gpt.decoder.layers)
+        if casts is not None:
+            result["rollout_weight_casts"] = casts
+        result["rollout_frozen"] = not any(p.requires_grad for p in model.parameters())
     Path(out, f"{tag}-rank{rank}.json").write_text(json.dumps(result))
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_world_size() > 1:  # under torchrun (in-process runs keep pytest's world)
         trainer.end()  # every rank done, the groups released before the interpreter's exit (RollplexGRPOTrainer.end)
     return result
+
+
+def _count_rollout_weight_casts(trainer) -> dict:
+    """Under autocast: per `generate` call of the rollout model, its decode steps (text-decoder forwards) and the
+    casts made of its weights (`_to_copy` of a float tensor on one of their storages), counted at the dispatcher on
+    the decoding thread. Kept across the steps, each weight is cast at most once per call; not kept, once per
+    step (backends/megatron/rollout_weights.py `autocast_caches_weights`)."""
+    import torch
+    import transformers
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters() if p.is_floating_point()}
+    counts = {"calls": [], "weights": sum(1 for p in model.parameters() if p.is_floating_point())}
+
+    class Casts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if (func is torch.ops.aten._to_copy.default and args[0].is_floating_point()
+                    and args[0].untyped_storage().data_ptr() in storages):
+                self.casts += 1
+            return func(*args, **(kwargs or {}))
+
+    decoder = model.base_model.language_model
+    steps = [0]
+    decoder.register_forward_pre_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
+    generate = transformers.GenerationMixin.generate
+
+    def counting(self, *args, **kwargs):
+        steps[0] = 0
+        with Casts() as mode:
+            output = generate(self, *args, **kwargs)
+        counts["calls"].append({"steps": steps[0], "casts": mode.casts})
+        return output
+
+    transformers.GenerationMixin.generate = counting
+    return counts
 
 
 def _rollout_binding(backend, model) -> dict:

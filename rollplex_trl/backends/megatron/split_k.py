@@ -33,8 +33,13 @@ class SplitKLinear(nn.Linear):
     """An `nn.Linear` whose weight is a strided (out, t, c) view of t shards (see the module docstring). Made by
     `to_split_k` (a class swap: the module keeps its name, hooks and place in the model)."""
 
+    # Within `rollout_weights.autocast_caches_weights` (a rollout: the weights cannot change), a dict of this
+    # weight's autocast casts by dtype; None elsewhere. Autocast's own cache never holds them: the GEMMs below take
+    # views of the weight (a permute, slices), and autocast caches the casts of leaf tensors only.
+    _rollout_casts: dict[torch.dtype, torch.Tensor] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight  # (out, t, c)
+        w = self._weight_for(x)  # (out, t, c)
         t, c = w.shape[1], w.shape[2]
         rows = x.reshape(-1, t * c)
         if rows.shape[0] <= BATCHED_ROWS:
@@ -50,6 +55,19 @@ class SplitKLinear(nn.Linear):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _weight_for(self, x: torch.Tensor) -> torch.Tensor:
+        """The weight, or within a rollout under autocast its cast to the autocast dtype, made once per rollout
+        (the same values autocast's per-call cast gives: a round to nearest)."""
+        device = x.device.type
+        if self._rollout_casts is None or not torch.is_autocast_enabled(device):
+            return self.weight
+        dtype = torch.get_autocast_dtype(device)
+        if not self.weight.is_floating_point() or self.weight.dtype == dtype:
+            return self.weight
+        if dtype not in self._rollout_casts:
+            self._rollout_casts[dtype] = self.weight.detach().to(dtype)
+        return self._rollout_casts[dtype]
 
     def full_weight(self) -> torch.Tensor:
         """The (out, in) weight (a copy: the view has no such strides)."""
