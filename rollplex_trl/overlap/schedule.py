@@ -107,6 +107,9 @@ class OverlapSchedule:
         self.precomputed: dict[str, Precomputed] = {}
         self.force_serial = False  # benchmarks: the serial schedule, same work, measured
         self.active = mode == "on"
+        # True while a window's jobs run concurrently with decoding and one of them builds a graph on the policy
+        # (the actor's): the decode must then leave the policy's requires_grad flags alone (trainers/grpo.py)
+        self.graph_job_running = False
         self.decided = mode != "auto" or not (executor.device.type == "cuda" or self.auto_measures_on_cpu)
         self.training_windows = 0  # training windows with jobs (what "auto" counts; evaluation does not)
         self._record, self._broadcast, self._warn = record, broadcast, warn
@@ -128,6 +131,7 @@ class OverlapSchedule:
         start = time.perf_counter()
         decode_threads = torch.get_num_threads()
         if concurrent:
+            self.graph_job_running = any(name == "actor" for name, _ in jobs)
             for name, fn in jobs:
                 executor.submit(name, fn)
             if executor.device.type == "cpu" and executor.cpu_threads:  # an explicit split of the cores
@@ -139,6 +143,7 @@ class OverlapSchedule:
             raise
         finally:
             torch.set_num_threads(decode_threads)
+            self.graph_job_running = False
         decode = Span("decode", "decode", start, time.perf_counter())
         if not concurrent:  # the serial schedule: the same jobs, after decoding
             for name, fn in jobs:

@@ -124,7 +124,8 @@ def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None
                    on_prefill=None, decode_window=None, shared_decode: str = "off",
                    num_generations: int | None = None, for_actor: PrefillForActor | None = None,
                    compile_decode: str = "off",
-                   forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                   forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                   decode_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
                    ) -> Iterator[None]:
     """Inside the block, `model.generate(input_ids, attention_mask, ...)` prefills each unique prompt once.
 
@@ -136,7 +137,9 @@ def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None
     `for_actor`: keep the prefill's graph for the actor window where `for_actor.wanted()` (the decode only reads it).
     `compile_decode` ("auto", "on", "off"): shared-prefix decode steps through a compiled forward
     (prefix/compiled_decode.py). `forward_context()`: what the model's own forward runs inside (the trainer's
-    autocast); the prefill, which calls the layers directly, runs inside it too.
+    autocast); the prefill, which calls the layers directly, runs inside it too. `decode_context()`: entered around
+    the decode steps only, inside the decode window (the trainer's: frozen weights' autocast casts kept,
+    rollout/weight_casts.py).
     """
     causal_lm = unwrap_model(model)
     original = causal_lm.generate  # the bound method (instance attribute lookups fall back to the class)
@@ -176,7 +179,7 @@ def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None
         # same values. It closes before the window's serial prefix jobs run (exits go in reverse order): a cast
         # cached under no_grad has no graph, and the actor's job needs one (autocast state is per thread, so the
         # concurrent jobs on the worker thread never see this cache)
-        with window, decoding, step, forward_context():
+        with window, decoding, step, forward_context(), decode_context():
             output = original(input_ids=input_ids, attention_mask=attention_mask, **{cache_kwarg(causal_lm): cache},
                               **kwargs)
         if shared:

@@ -45,6 +45,7 @@ from rollplex_trl.prefix.cost import SharingDecision
 from rollplex_trl.prefix.generation import PrefillForActor, shared_prefill
 from rollplex_trl.prefix.suffix_attention import suffix_attention_mode
 from rollplex_trl.rollout.trl_vllm import RollplexVLLMGeneration, VLLMRollout
+from rollplex_trl.rollout.weight_casts import frozen_weight_casts_kept
 from rollplex_trl.trainers.checkpoint import (
     ResumableRepeatSampler,
     defer_push,
@@ -370,12 +371,13 @@ class RollplexGRPOTrainer(GRPOTrainer):
         if self.megatron is not None:  # the on-policy barrier, then one view of the completions per TP group
             self.megatron.sync_rollout()
             pool = self.megatron.rollout_pool
+            casts_kept = self.megatron.rollout_casts_cached(autocast=self.accelerator.mixed_precision != "no")
             if pool is None:  # every TP rank decodes
-                with self.megatron.rollout_casts_cached():
+                with casts_kept:
                     completion_ids, logprobs = self._rollout(prompt_ids, images, multimodal_fields, num_generations,
                                                              has_tool_images)
             elif pool.decodes:  # the group's first rank, with the group's threads
-                with pool.decoding(), self.megatron.rollout_casts_cached():
+                with pool.decoding(), casts_kept:
                     completion_ids, logprobs = self._rollout(prompt_ids, images, multimodal_fields,
                                                              num_generations, has_tool_images, pool=pool)
             else:  # a peer: the rollout's decode window only (its prefix jobs are TP collectives)
@@ -434,7 +436,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
                             shared_decode=self.rollplex["rollplex_shared_decode"], num_generations=num_generations,
                             for_actor=self._prefill_for_actor,
                             compile_decode=self.rollplex["rollplex_compile_decode"],
-                            forward_context=self.accelerator.autocast):
+                            forward_context=self.accelerator.autocast, decode_context=self._decode_weight_casts):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
 
@@ -468,6 +470,17 @@ class RollplexGRPOTrainer(GRPOTrainer):
         with self.batch.scoring(rows, actor):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
+
+    def _decode_weight_casts(self) -> contextlib.AbstractContextManager:
+        """Entered around the decode steps, inside the decode window: under autocast the policy's frozen weights
+        (PEFT's base weights, modules the user froze) are cast once per `generate` call instead of at every step
+        (rollout/weight_casts.py), unless a job building a graph on the policy runs concurrently (the overlap's
+        actor job: marked as requiring grad, the frozen weights would get gradients). The Megatron backend's rollout
+        model has its own context around the whole rollout (`MegatronBackend.rollout_casts_cached`)."""
+        if (self.megatron is not None or self.accelerator.mixed_precision == "no" or self.is_deepspeed_enabled
+                or self.is_fsdp_enabled or (self.overlap is not None and self.overlap.graph_job_running)):
+            return contextlib.nullcontext()
+        return frozen_weight_casts_kept(self.accelerator.unwrap_model(self.model))
 
     def _actor_from_prefill(self) -> bool:
         """Whether this rollout's shared prefill can be the actor window's prefix: the window is this generation's

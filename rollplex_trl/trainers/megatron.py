@@ -351,11 +351,12 @@ class MegatronBackend:
             self.record("rollplex/weight_sync_s", stats.seconds)
         self.rollout.check_fresh()
 
-    def rollout_casts_cached(self) -> contextlib.AbstractContextManager:
+    def rollout_casts_cached(self, autocast: bool) -> contextlib.AbstractContextManager:
         """The transformers rollout's context: autocast keeps its casts of the frozen rollout model's weights across
-        the decode steps (backends/megatron/rollout_weights.py `autocast_caches_weights`). vLLM generates outside
-        autocast in its own copy of the weights: nothing to do there."""
-        if self._use_vllm:
+        the decode steps (backends/megatron/rollout_weights.py `autocast_caches_weights`). Nothing to do without
+        autocast (`autocast`: the trainer's mixed precision is on), or with vLLM, which generates outside autocast
+        in its own copy of the weights."""
+        if self._use_vllm or not autocast:
             return contextlib.nullcontext()
         from rollplex_trl.backends.megatron.rollout_weights import autocast_caches_weights
 

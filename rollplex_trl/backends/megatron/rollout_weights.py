@@ -38,35 +38,26 @@ from rollplex_trl.sharding.plan import LayoutMaps, ShardingOptions, train_specs
 
 @contextlib.contextmanager
 def autocast_caches_weights(model: nn.Module) -> Iterator[None]:
-    """Within the block (a rollout: no gradients), autocast casts each of `model`'s frozen float weights to the
-    low-precision dtype once per autocast region instead of at every call.
-
-    Torch's autocast keeps its cast of a weight only if the weight is a leaf that requires grad; a frozen one is cast
-    again at every use, i.e. at every decode step (measured: 3x slower decode steps for weight-bound layers under
-    bf16 on CPU, the whole model's weights read and written once more per generated token). The Megatron backend's
-    rollout model is frozen (the Megatron policy trains; its tensors are views of the policy's), so it paid that
-    at every step where the `hf` backend's policy, whose weights require grad, had its casts kept across the steps
-    of a `generate` call (prefix/generation.py opens one autocast around them). Marking its weights as requiring
-    grad for the rollout gives it the same: the values cast are the same, and nothing differentiates through the
-    rollout model (TRL generates under no_grad; the window's prefix jobs run the Megatron models, and the vision
-    tower they train is the policy's own copy). The flags are restored at the block's end.
+    """Within the block (the rollout), autocast casts each of the rollout model's weights once per autocast region
+    instead of at every decode step (rollout/weight_casts.py: torch keeps the casts of weights that require grad
+    only). The Megatron backend's rollout model is frozen (the Megatron policy trains; the rollout reads its
+    storage), and nothing differentiates through it: TRL generates under no_grad, the window's prefix jobs run the
+    Megatron models, and the vision tower they train is the policy's own copy. So its weights are marked for the
+    whole rollout, concurrent prefix jobs or not (on the `hf` backend the trainer must check for the actor's job).
 
     Split-K Linears (split_k.py) read their weight through views, whose casts autocast never keeps: they keep their
     own casts for the block (the weights cannot change during a rollout: the on-policy barrier syncs them before it
     and the optimizer steps after it), dropped at its end."""
     from rollplex_trl.backends.megatron.split_k import SplitKLinear
+    from rollplex_trl.rollout.weight_casts import frozen_weight_casts_kept
 
-    frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point()]
     split_k = [m for m in model.modules() if isinstance(m, SplitKLinear)]
-    for p in frozen:
-        p.requires_grad_(True)
     for m in split_k:
         m._rollout_casts = {}
     try:
-        yield
+        with frozen_weight_casts_kept(model):
+            yield
     finally:
-        for p in frozen:
-            p.requires_grad_(False)
         for m in split_k:
             m._rollout_casts = None
 
