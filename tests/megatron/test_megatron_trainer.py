@@ -246,6 +246,14 @@ def test_tensor_parallel_2_under_trl_defaults_bf16(tiny_vl_path, tmp_path):
     reference = trainer_worker.run(str(tiny_vl_path), str(tmp_path), "hf", 1, "hfbf", "bf16")["logs"]
     ranks = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "mgbf", "bf16")
     every_rank = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "mgbfviews", "bf16+views+gloo+allranks")
+    # the prefix jobs concurrent with the decode (a worker thread on each rank), while the rollout model's weights
+    # are marked for autocast's cast cache: the jobs run the Megatron models' own parameters, so the same numbers
+    overlapped = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "mgbfoverlap", "bf16+overlap")
+    assert all(r["rollplex/overlap_active"] == 1 for r in overlapped[0]["logs"] if "rollplex/overlap_active" in r)
+    def learned(logs):
+        return [{k: v for k, v in r.items() if k != "rollplex/overlap_active"} for r in _without_timings(logs)]
+
+    assert learned(overlapped[0]["logs"]) == learned(ranks[0]["logs"])
     assert ranks[0]["rollout"]["mapped"] and ranks[0]["rollout"]["unequal_to_trained"] == []
     assert ranks[0]["shm_all_reduce_calls"] > 0
     assert ranks[0]["recompute_layers"] == ranks[1]["recompute_layers"] > 0  # gradient_checkpointing on the LLM
@@ -255,12 +263,12 @@ def test_tensor_parallel_2_under_trl_defaults_bf16(tiny_vl_path, tmp_path):
     assert _without_timings(ranks[0]["logs"]) == _without_timings(ranks[1]["logs"])
     # the frozen rollout model's weights (split-K views included) cast once per generate call, not at every decode
     # step as autocast does for frozen weights (rollout_weights.autocast_caches_weights); its flags restored
-    decoded = [result["rollout_weight_casts"] for result in (ranks[0], *every_rank)]
+    decoded = [result["rollout_weight_casts"] for result in (ranks[0], *every_rank, *overlapped)]
     assert ranks[1]["rollout_weight_casts"]["calls"] == []  # the pooled rollout's peer does not decode
     for counts in decoded:
         assert counts["calls"] and all(call["steps"] >= 2 for call in counts["calls"]), counts
         assert all(0 < call["casts"] <= counts["weights"] for call in counts["calls"]), counts
-    assert all(result["rollout_frozen"] for result in (*ranks, *every_rank))
+    assert all(result["rollout_frozen"] for result in (*ranks, *every_rank, *overlapped))
     ours = ranks[0]["logs"]
     assert ours[0]["loss"] == pytest.approx(reference[0]["loss"], abs=1e-6)
     assert ours[0]["grad_norm"] == pytest.approx(reference[0]["grad_norm"], rel=1e-3)
