@@ -10,7 +10,8 @@ step time is the median over its steps after the first of the wall-clock step (r
 sync: `bench_common.wall_step_clock`); the table shows the medians over runs and their ratio, and TRL's own
 `step_time` metric (its `training_step` only: no clipping or optimizer step) beside it.
 
-Usage:  .venv/bin/python benchmarks/bench_vs_trl.py [--generations 8] [--completion-length 32] [--repeats 2]
+Usage:  .venv/bin/python benchmarks/bench_vs_trl.py [--generations 8] [--completion-length 32] [--repeats 2] [--fp32]
+        [--peft] [--compile-decode]
 """
 
 from __future__ import annotations
@@ -63,7 +64,14 @@ def _run(kind: str, model_path: Path, dataset, tmp: Path, args, index: int) -> d
         common.update(rollplex_compile_decode="on")
     config, trainer_class = ((GRPOConfig(**common), GRPOTrainer) if kind == "trl"
                              else (RollplexGRPOConfig(**common), RollplexGRPOTrainer))
-    trainer = trainer_class(model=str(model_path), reward_funcs=[answer_reward], args=config, train_dataset=dataset)
+    peft = {}
+    if args.peft:  # LoRA on the attention projections: the base weights frozen (fp32, as TRL loads them)
+        from peft import LoraConfig
+
+        peft = {"peft_config": LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                              "o_proj"])}
+    trainer = trainer_class(model=str(model_path), reward_funcs=[answer_reward], args=config, train_dataset=dataset,
+                            **peft)
     clock = wall_step_clock()
     trainer.add_callback(clock)
     trainer.train()
@@ -86,6 +94,8 @@ def main() -> None:
     parser.add_argument("--compile-decode", action="store_true",
                         help="also run Rollplex with rollplex_compile_decode='on' (its compile is in the dropped first "
                         "step, reported as first_step_s)")
+    parser.add_argument("--peft", action="store_true",
+                        help="both trainers train a LoRA adapter (r 8 on q/k/v/o) instead of the whole model")
     parser.add_argument("--out", default="benchmarks/results/vs_trl.json")
     args = parser.parse_args()
     model_path = quiet_checkpoint(args.preset)
@@ -106,6 +116,7 @@ def main() -> None:
     result = {"meta": {"preset": args.preset, "G": args.generations, "C": args.completion_length,
                        "image_size": args.image_size, "prompt_share": share, "steps": args.steps,
                        "repeats": args.repeats, "precision": "fp32" if args.fp32 else "bf16 autocast + checkpointing",
+                       "peft": "LoRA r 8 on q/k/v/o" if args.peft else None,
                        "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
                        "torch": torch.__version__},
               "runs": runs, "trl_step_s": trl_s, "rollplex_step_s": ours_s, "ratio": trl_s / ours_s,
@@ -123,7 +134,8 @@ def main() -> None:
     print("| workload | G | C | prompt share | trl.GRPOTrainer step (s) | RollplexGRPOTrainer step (s) | ratio | "
           "TRL's `step_time` metric, trl / rollplex (s) |")
     print("|---|---|---|---|---|---|---|---|")
-    print(f"| image {args.image_size}² ({result['meta']['precision']}) | {args.generations} | "
+    lora = ", LoRA" if args.peft else ""
+    print(f"| image {args.image_size}² ({result['meta']['precision']}{lora}) | {args.generations} | "
           f"{args.completion_length} | {share:.0%} | {trl_s:.3f} | {ours_s:.3f} | **{trl_s / ours_s:.2f}×** | "
           f"{metric['trl']:.3f} / {metric['rollplex']:.3f} |")
     if args.compile_decode:
