@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class RecordingReward:
@@ -21,6 +22,22 @@ class RecordingReward:
         texts = [c[0]["content"] for c in completions]
         self.seen.extend(zip(kwargs.get("problem_id") or [None] * len(texts), texts))
         return [float(len(t) % 5) for t in texts]
+
+
+class WeightCasts(TorchDispatchMode):
+    """Counts, on the thread it is entered on, the casts (`_to_copy`, what autocast calls) of float tensors lying in
+    the storages of `weights`: a cast of a weight or of a view of one."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.storages = {w.untyped_storage().data_ptr() for w in weights if w.is_floating_point()}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (func is torch.ops.aten._to_copy.default and args[0].is_floating_point()
+                and args[0].untyped_storage().data_ptr() in self.storages):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def write_mp4(path: Path, num_frames: int, height: int, width: int, fps: int = 4, seed: int = 0) -> Path:

@@ -10,14 +10,12 @@ overlap's actor job running concurrently (it builds a graph on the same model) t
 import contextlib
 
 import pytest
-import torch
 import transformers
 from datasets import Dataset
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 
-from helpers import video_rows
+from helpers import WeightCasts, video_rows
 
 KEYS = ("loss", "reward", "kl", "grad_norm", "entropy")
 
@@ -29,18 +27,6 @@ def video_dataset(tmp_path):
 
 def _reward(completions, **kwargs):
     return [float(len(c[0]["content"]) % 5) for c in completions]
-
-
-class _Casts(TorchDispatchMode):
-    def __init__(self, storages):
-        super().__init__()
-        self.storages, self.casts = storages, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if (func is torch.ops.aten._to_copy.default and args[0].is_floating_point()
-                and args[0].untyped_storage().data_ptr() in self.storages):
-            self.casts += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _train(model_path, dataset, tmp_path, tag, monkeypatch, kept=True, **overrides):
@@ -58,14 +44,13 @@ def _train(model_path, dataset, tmp_path, tag, monkeypatch, kept=True, **overrid
         monkeypatch.setattr(trainer, "_decode_weight_casts", contextlib.nullcontext)
     model = trainer.accelerator.unwrap_model(trainer.model)
     frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point()]
-    storages = {p.untyped_storage().data_ptr() for p in frozen}
     calls = []
     generate = transformers.GenerationMixin.generate
 
     def counting(self, *args, **kwargs):
-        with _Casts(storages) as mode:
+        with WeightCasts(frozen) as casts:
             output = generate(self, *args, **kwargs)
-        calls.append(mode.casts)
+        calls.append(casts.count)
         return output
 
     monkeypatch.setattr(transformers.GenerationMixin, "generate", counting)

@@ -371,13 +371,11 @@ class RollplexGRPOTrainer(GRPOTrainer):
         if self.megatron is not None:  # the on-policy barrier, then one view of the completions per TP group
             self.megatron.sync_rollout()
             pool = self.megatron.rollout_pool
-            casts_kept = self.megatron.rollout_casts_cached(autocast=self.accelerator.mixed_precision != "no")
             if pool is None:  # every TP rank decodes
-                with casts_kept:
-                    completion_ids, logprobs = self._rollout(prompt_ids, images, multimodal_fields, num_generations,
-                                                             has_tool_images)
+                completion_ids, logprobs = self._rollout(prompt_ids, images, multimodal_fields, num_generations,
+                                                         has_tool_images)
             elif pool.decodes:  # the group's first rank, with the group's threads
-                with pool.decoding(), casts_kept:
+                with pool.decoding():
                     completion_ids, logprobs = self._rollout(prompt_ids, images, multimodal_fields,
                                                              num_generations, has_tool_images, pool=pool)
             else:  # a peer: the rollout's decode window only (its prefix jobs are TP collectives)
@@ -472,13 +470,18 @@ class RollplexGRPOTrainer(GRPOTrainer):
                                         num_items_in_batch=num_items_in_batch)
 
     def _decode_weight_casts(self) -> contextlib.AbstractContextManager:
-        """Entered around the decode steps, inside the decode window: under autocast the policy's frozen weights
-        (PEFT's base weights, modules the user froze) are cast once per `generate` call instead of at every step
-        (rollout/weight_casts.py), unless a job building a graph on the policy runs concurrently (the overlap's
-        actor job: marked as requiring grad, the frozen weights would get gradients). The Megatron backend's rollout
-        model has its own context around the whole rollout (`MegatronBackend.rollout_casts_cached`)."""
-        if (self.megatron is not None or self.accelerator.mixed_precision == "no" or self.is_deepspeed_enabled
-                or self.is_fsdp_enabled or (self.overlap is not None and self.overlap.graph_job_running)):
+        """Entered around the decode steps, inside the decode window: under autocast the rollout model's frozen
+        weights are cast once per `generate` call instead of at every step (rollout/weight_casts.py). On the `hf`
+        backend those are the policy's frozen weights (PEFT's base weights, modules the user froze), and not while
+        a job building a graph on the policy runs concurrently (the overlap's actor job: marked as requiring grad,
+        the frozen weights would get gradients). On the Megatron backend the whole rollout model is frozen and the
+        window's jobs run the Megatron models' own parameters (`MegatronBackend.rollout_casts_cached`)."""
+        if self.accelerator.mixed_precision == "no":
+            return contextlib.nullcontext()
+        if self.megatron is not None:
+            return self.megatron.rollout_casts_cached()
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled or (
+                self.overlap is not None and self.overlap.graph_job_running):
             return contextlib.nullcontext()
         return frozen_weight_casts_kept(self.accelerator.unwrap_model(self.model))
 

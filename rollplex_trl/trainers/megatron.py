@@ -141,7 +141,6 @@ class MegatronBackend:
 
             recompute_note = f"every LLM layer ({enable_layer_recompute(self.policy.gpt)}, gradient_checkpointing)"
         self._rollout_model = rollout_model
-        self._use_vllm = use_vllm
         # read by the vLLM engine's weight sync: it must copy from this model, not move its tensors into vLLM's
         rollout_model.rollplex_weights_bound_to = "the Megatron training shards"
         self.rollout, not_mapped = self._bind_rollout(weight_mapping, row_parallel_views, use_vllm,
@@ -351,13 +350,9 @@ class MegatronBackend:
             self.record("rollplex/weight_sync_s", stats.seconds)
         self.rollout.check_fresh()
 
-    def rollout_casts_cached(self, autocast: bool) -> contextlib.AbstractContextManager:
-        """The transformers rollout's context: autocast keeps its casts of the frozen rollout model's weights across
-        the decode steps (backends/megatron/rollout_weights.py `autocast_caches_weights`). Nothing to do without
-        autocast (`autocast`: the trainer's mixed precision is on), or with vLLM, which generates outside autocast
-        in its own copy of the weights."""
-        if self._use_vllm or not autocast:
-            return contextlib.nullcontext()
+    def rollout_casts_cached(self) -> contextlib.AbstractContextManager:
+        """Around the transformers rollout's decode steps under autocast: its casts of the frozen rollout model's
+        weights kept across the steps (backends/megatron/rollout_weights.py `autocast_caches_weights`)."""
         from rollplex_trl.backends.megatron.rollout_weights import autocast_caches_weights
 
         return autocast_caches_weights(self._rollout_model)

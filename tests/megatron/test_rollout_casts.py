@@ -9,23 +9,10 @@ three forwards inside one autocast region, with and without the block; the outpu
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from rollplex_trl.backends.megatron.rollout_weights import autocast_caches_weights
 
-
-class _CastsOf(TorchDispatchMode):
-    """Counts `_to_copy` calls whose input is one of `weights` (the casts autocast makes of them)."""
-
-    def __init__(self, weights):
-        super().__init__()
-        self.pointers = {w.data_ptr() for w in weights}
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.pointers:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+from helpers import WeightCasts
 
 
 def _frozen_model():
@@ -37,7 +24,7 @@ def _frozen_model():
 def _decode_steps(model, steps=3):
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
     weights = [m.weight for m in model if isinstance(m, nn.Linear)]
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), _CastsOf(weights) as casts:
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), WeightCasts(weights) as casts:
         outputs = []
         for _ in range(steps):  # each step enters its own autocast, as accelerate's wrapped forward does
             with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -116,3 +116,27 @@ def test_the_plan_binds_exactly_the_row_parallel_weights_and_checks_their_module
 
     model.model.language_model.layers[0].mlp.down_proj.__class__ = Wrapped
     assert "not the weight of a plain nn.Linear" in mapped_weights._split_k_problem(plan, bindings, 0, model)
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("leading", [(3, 5), (2, 40)], ids=["decode-sized", "prefill-sized"])
+def test_rollout_casts_are_autocasts_own_made_once(t, leading):
+    """Within a rollout (`autocast_caches_weights`) a split-K Linear keeps the bf16 casts of the weight views its
+    GEMMs take: outputs bit-equal to autocast's per-call casts, and the views cast once over several calls (the
+    weights' values are those of the rollout's start: the block is never open across an optimizer step)."""
+    from rollplex_trl.backends.megatron.rollout_weights import autocast_caches_weights
+
+    torch.manual_seed(0)
+    module = nn.Linear(96, 40, bias=True)
+    _, view = _shards_and_view(module.weight.detach().clone(), t)
+    to_split_k(module, view)
+    x = torch.randn(*leading, 96)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        per_call = [module(x) for _ in range(3)]
+        with autocast_caches_weights(module):
+            kept = [module(x) for _ in range(3)]
+            casts = dict(module._rollout_casts)
+    assert all(torch.equal(a, b) for a, b in zip(per_call, kept, strict=True))
+    assert len(casts) == (1 if leading == (3, 5) else t)  # one per view the kernel takes, whatever the calls
+    assert all(c.dtype == torch.bfloat16 for c in casts.values())
+    assert module._rollout_casts is None  # dropped with the block

@@ -128,24 +128,13 @@ def _count_rollout_weight_casts(trainer) -> dict:
     casts made of its weights (`_to_copy` of a float tensor on one of their storages), counted at the dispatcher on
     the decoding thread. Kept across the steps, each weight is cast at most once per call; not kept, once per
     step (backends/megatron/rollout_weights.py `autocast_caches_weights`)."""
-    import torch
     import transformers
-    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from helpers import WeightCasts
 
     model = trainer.accelerator.unwrap_model(trainer.model)
-    storages = {p.untyped_storage().data_ptr() for p in model.parameters() if p.is_floating_point()}
-    counts = {"calls": [], "weights": sum(1 for p in model.parameters() if p.is_floating_point())}
-
-    class Casts(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.casts = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if (func is torch.ops.aten._to_copy.default and args[0].is_floating_point()
-                    and args[0].untyped_storage().data_ptr() in storages):
-                self.casts += 1
-            return func(*args, **(kwargs or {}))
+    weights = [p for p in model.parameters() if p.is_floating_point()]
+    counts = {"calls": [], "weights": len(weights)}
 
     decoder = model.base_model.language_model
     steps = [0]
@@ -154,9 +143,9 @@ def _count_rollout_weight_casts(trainer) -> dict:
 
     def counting(self, *args, **kwargs):
         steps[0] = 0
-        with Casts() as mode:
+        with WeightCasts(weights) as casts:
             output = generate(self, *args, **kwargs)
-        counts["calls"].append({"steps": steps[0], "casts": mode.casts})
+        counts["calls"].append({"steps": steps[0], "casts": casts.count})
         return output
 
     transformers.GenerationMixin.generate = counting

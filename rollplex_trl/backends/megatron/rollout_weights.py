@@ -38,12 +38,12 @@ from rollplex_trl.sharding.plan import LayoutMaps, ShardingOptions, train_specs
 
 @contextlib.contextmanager
 def autocast_caches_weights(model: nn.Module) -> Iterator[None]:
-    """Within the block (the rollout), autocast casts each of the rollout model's weights once per autocast region
-    instead of at every decode step (rollout/weight_casts.py: torch keeps the casts of weights that require grad
+    """Within the block (the decode steps), autocast casts each of the rollout model's weights once per autocast
+    region instead of at every step (rollout/weight_casts.py: torch keeps the casts of weights that require grad
     only). The Megatron backend's rollout model is frozen (the Megatron policy trains; the rollout reads its
     storage), and nothing differentiates through it: TRL generates under no_grad, the window's prefix jobs run the
-    Megatron models, and the vision tower they train is the policy's own copy. So its weights are marked for the
-    whole rollout, concurrent prefix jobs or not (on the `hf` backend the trainer must check for the actor's job).
+    Megatron models, and the vision tower they train is the policy's own copy. So its weights are marked whether
+    prefix jobs run concurrently or not (on the `hf` backend the trainer must check for the actor's job).
 
     Split-K Linears (split_k.py) read their weight through views, whose casts autocast never keeps: they keep their
     own casts for the block (the weights cannot change during a rollout: the on-policy barrier syncs them before it

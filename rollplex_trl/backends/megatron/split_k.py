@@ -33,41 +33,42 @@ class SplitKLinear(nn.Linear):
     """An `nn.Linear` whose weight is a strided (out, t, c) view of t shards (see the module docstring). Made by
     `to_split_k` (a class swap: the module keeps its name, hooks and place in the model)."""
 
-    # Within `rollout_weights.autocast_caches_weights` (a rollout: the weights cannot change), a dict of this
-    # weight's autocast casts by dtype; None elsewhere. Autocast's own cache never holds them: the GEMMs below take
-    # views of the weight (a permute, slices), and autocast caches the casts of leaf tensors only.
-    _rollout_casts: dict[torch.dtype, torch.Tensor] | None = None
+    # Within `rollout_weights.autocast_caches_weights` (a rollout: the weights cannot change), the autocast casts of
+    # the weight views the GEMMs below take, by (dtype, view); None elsewhere. Autocast's own cache never holds
+    # them: it keeps the casts of leaf tensors only, and these are views (a permute, a shard's transpose).
+    _rollout_casts: dict[tuple[torch.dtype, int], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self._weight_for(x)  # (out, t, c)
+        w = self.weight  # (out, t, c)
         t, c = w.shape[1], w.shape[2]
         rows = x.reshape(-1, t * c)
         if rows.shape[0] <= BATCHED_ROWS:
             # decode-sized: one batched GEMM over the t shards, (t, rows, c) @ (t, c, out), then the sum over
             # shards (w.permute is a view: every shard is a transposed plain matrix to bmm)
-            y = torch.bmm(rows.view(-1, t, c).transpose(0, 1), w.permute(1, 2, 0)).sum(0)
+            y = torch.bmm(rows.view(-1, t, c).transpose(0, 1), self._operand(-1, w.permute(1, 2, 0), x)).sum(0)
         else:
             # prefill-sized: a GEMM per shard on column slices of the input (strided, as BLAS takes them), each
             # accumulated into the output by the next one's addmm
-            y = torch.mm(rows[:, :c], w[:, 0].t())
+            y = torch.mm(rows[:, :c], self._operand(0, w[:, 0].t(), x))
             for k in range(1, t):
-                y = torch.addmm(y, rows[:, k * c:(k + 1) * c], w[:, k].t())
+                y = torch.addmm(y, rows[:, k * c:(k + 1) * c], self._operand(k, w[:, k].t(), x))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
-    def _weight_for(self, x: torch.Tensor) -> torch.Tensor:
-        """The weight, or within a rollout under autocast its cast to the autocast dtype, made once per rollout
-        (the same values autocast's per-call cast gives: a round to nearest)."""
+    def _operand(self, key: int, view: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``view`` of the weight as the GEMM takes it; within a rollout under autocast, its cast to the autocast
+        dtype, made once per rollout: the very cast (`to`, same view, same layout) autocast makes at every call."""
         device = x.device.type
-        if self._rollout_casts is None or not torch.is_autocast_enabled(device):
-            return self.weight
+        if self._rollout_casts is None or not torch.is_autocast_enabled(device) or not view.is_floating_point():
+            return view
         dtype = torch.get_autocast_dtype(device)
-        if not self.weight.is_floating_point() or self.weight.dtype == dtype:
-            return self.weight
-        if dtype not in self._rollout_casts:
-            self._rollout_casts[dtype] = self.weight.detach().to(dtype)
-        return self._rollout_casts[dtype]
+        if view.dtype == dtype:
+            return view
+        cast = self._rollout_casts.get((dtype, key))
+        if cast is None:
+            cast = self._rollout_casts[(dtype, key)] = view.detach().to(dtype)
+        return cast
 
     def full_weight(self) -> torch.Tensor:
         """The (out, in) weight (a copy: the view has no such strides)."""
