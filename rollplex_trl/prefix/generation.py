@@ -24,6 +24,7 @@ job with its graph).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -61,7 +62,30 @@ class PrefillForActor:
         return state
 
 
-def _prefill_unique(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+@dataclass(frozen=True)
+class BackendPrefill:
+    """A training backend's prefill for the transformers rollout (`shared_prefill(prefill=)`), in place of the
+    decoding model's own: the backend's policy computes the same K/V at the same weights, and a prefill kept for the
+    actor window then is that backend's actor prefix (Megatron: trainers/megatron.py `rollout_prefill`).
+
+    `run(prompt_ids (U, P), prompt_mask, rows or None, *, keep_graph)`: this process's `PrefixState` of the unique
+    prompts' prompt[:, :-1] (RoPE applied; `last_positions` the decode continues from), the actor's prefix when
+    kept. `for_decode(state)`: the state the decode reads, detached (Megatron at t > 1: the TP ranks' KV heads
+    gathered; a collective). `context()`: what the prefill runs inside besides the trainer's autocast.
+    """
+
+    run: Callable[..., PrefixState]
+    for_decode: Callable[[PrefixState], PrefixState] = lambda state: state
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+def _transformers_prefill(model: torch.nn.Module) -> BackendPrefill:
+    """The default prefill: the decoding model's own layers (`run_prefix`), 1-D RoPE positions numbered as HF's
+    `generate` numbers them."""
+    return BackendPrefill(run=functools.partial(run_prefix, model, generate_positions=True))
+
+
+def _prefill_unique(prefill: BackendPrefill, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     rows: Sequence[PreparedPrompt] | None, *, keep_graph: bool = False
                     ) -> tuple[PrefixState, PromptGroups]:
     """K/V of prompt[:, :-1] for the unique prompts only, and which row continues which prompt. `keep_graph`: with
@@ -69,9 +93,26 @@ def _prefill_unique(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     groups = group_by_prompt(input_ids, attention_mask, rows)
     first = groups.first_row
     unique_rows = [rows[r] for r in first] if rows is not None else None
-    state = run_prefix(model, input_ids[first], attention_mask[first], unique_rows, keep_graph=keep_graph,
-                       generate_positions=True)
+    with prefill.context():
+        state = prefill.run(input_ids[first], attention_mask[first], unique_rows, keep_graph=keep_graph)
     return state, groups
+
+
+def prefill_for_rollout(prefill: BackendPrefill, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        rows: Sequence[PreparedPrompt] | None, *, for_actor: PrefillForActor | None,
+                        forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                        ) -> tuple[PrefixState, PromptGroups]:
+    """A generate call's prefill: the unique prompts' state for the decode and the rows' grouping; where
+    `for_actor.wanted()`, the prefill runs with its graph, checkpointed as training checkpoints, and is kept in
+    `for_actor.state`. Also what a TP peer that does not decode runs (the pooled rollout: the same collectives)."""
+    keep = for_actor is not None and for_actor.wanted()
+    checkpointing = for_actor.checkpointing if keep else contextlib.nullcontext
+    with forward_context(), checkpointing():
+        state, groups = _prefill_unique(prefill, input_ids, attention_mask, rows, keep_graph=keep)
+    if keep:  # the decode runs under no_grad: it reads these K/V without extending their graph
+        for_actor.state = Precomputed(keys=groups.keys, state=state)
+    with torch.no_grad():
+        return prefill.for_decode(state), groups
 
 
 def _rope_deltas(state: PrefixState, groups: PromptGroups, attention_mask: torch.Tensor) -> torch.Tensor | None:
@@ -84,13 +125,34 @@ def _rope_deltas(state: PrefixState, groups: PromptGroups, attention_mask: torch
     return (state.last_positions[0] + 1 - num_valid).index_select(0, groups.row_to_prompt).unsqueeze(-1)
 
 
-def _expanded_cache(state: PrefixState, groups: PromptGroups, width: int) -> DynamicCache:
+def decode_kv_dtypes(causal_lm: torch.nn.Module) -> tuple[torch.dtype, torch.dtype]:
+    """The dtypes of the K and V that the decoding model's own attention caches, in the current autocast state: V
+    is the projection's output (the autocast dtype under autocast, else the weights'); K is that after RoPE, whose
+    cos/sin come in the hidden states' dtype (the embeddings'), so their promotion (fp32 under a bf16 autocast of
+    fp32 weights). A prefill by another backend's kernels is cast to these (tests/megatron/test_megatron_prefix.py
+    checks them against HF's own prefill)."""
+    weight = causal_lm.get_input_embeddings().weight
+    device = weight.device.type
+    value = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    return torch.promote_types(value, weight.dtype), value
+
+
+def _cast_kv(state: PrefixState, dtypes: tuple[torch.dtype, torch.dtype] | None
+             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The state's K/V for the decode cache, in `dtypes` (K, V) where given (no copy where they already are)."""
+    if dtypes is None:
+        return list(state.keys), list(state.values)
+    return [k.to(dtypes[0]) for k in state.keys], [v.to(dtypes[1]) for v in state.values]
+
+
+def _expanded_cache(state: PrefixState, groups: PromptGroups, width: int,
+                    dtypes: tuple[torch.dtype, torch.dtype] | None = None) -> DynamicCache:
     """Today's cache: the prompt K/V copied to all R rows, left-padded back to the batch's prompt width."""
     # run_prefix drops all-padding columns; the R rows keep TRL's width, so pad the cache back on the left.
     missing = width - state.prompt_length
     expand = groups.row_to_prompt
     layers = []
-    for k, v in zip(state.keys, state.values):
+    for k, v in zip(*_cast_kv(state, dtypes)):
         if missing:
             pad = k.new_zeros(k.size(0), k.size(1), missing, k.size(3))
             k, v = torch.cat([pad, k], dim=2), torch.cat([pad, v], dim=2)
@@ -98,10 +160,12 @@ def _expanded_cache(state: PrefixState, groups: PromptGroups, width: int) -> Dyn
     return DynamicCache(ddp_cache_data=layers)
 
 
-def _shared_cache(state: PrefixState, groups: PromptGroups, width: int, capacity: int) -> sd.SharedPrefixCache:
+def _shared_cache(state: PrefixState, groups: PromptGroups, width: int, capacity: int,
+                  dtypes: tuple[torch.dtype, torch.dtype] | None = None) -> sd.SharedPrefixCache:
     """The shared-prefix decode cache: the prompt K/V once per prompt (HF sees `width - 1` prompt positions)."""
-    return sd.build_cache(state.keys, state.values, state.prompt_mask[:, :-1], groups.row_to_prompt,
-                          offset=width - 1, capacity=capacity)
+    keys, values = _cast_kv(state, dtypes)
+    return sd.build_cache(keys, values, state.prompt_mask[:, :-1], groups.row_to_prompt, offset=width - 1,
+                          capacity=capacity)
 
 
 def _use_shared_decode(mode: str, causal_lm: torch.nn.Module, kwargs: dict, num_generations: int) -> bool:
@@ -125,8 +189,8 @@ def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None
                    num_generations: int | None = None, for_actor: PrefillForActor | None = None,
                    compile_decode: str = "off",
                    forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                   decode_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-                   ) -> Iterator[None]:
+                   decode_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                   prefill: BackendPrefill | None = None) -> Iterator[None]:
     """Inside the block, `model.generate(input_ids, attention_mask, ...)` prefills each unique prompt once.
 
     `rows` are the generation batch's prepared prompts (None for text-only prompts, grouped by their tokens).
@@ -139,27 +203,30 @@ def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None
     (prefix/compiled_decode.py). `forward_context()`: what the model's own forward runs inside (the trainer's
     autocast); the prefill, which calls the layers directly, runs inside it too. `decode_context()`: entered around
     the decode steps only, inside the decode window (the trainer's: frozen weights' autocast casts kept,
-    rollout/weight_casts.py).
+    rollout/weight_casts.py). `prefill`: a training backend's prefill (`BackendPrefill`) in place of the decoding
+    model's own layers.
     """
     causal_lm = unwrap_model(model)
     original = causal_lm.generate  # the bound method (instance attribute lookups fall back to the class)
 
     def generate(input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
-        keep = for_actor is not None and for_actor.wanted()
-        checkpointing = for_actor.checkpointing if keep else contextlib.nullcontext
-        with forward_context(), checkpointing():
-            state, groups = _prefill_unique(causal_lm, input_ids, attention_mask, rows, keep_graph=keep)
-        if keep:  # the decode below runs under no_grad: it reads these K/V without extending their graph
-            for_actor.state = Precomputed(keys=groups.keys, state=state)
+        state, groups = prefill_for_rollout(prefill or _transformers_prefill(causal_lm), input_ids, attention_mask,
+                                            rows, for_actor=for_actor, forward_context=forward_context)
+        dtypes = None
+        if prefill is not None:
+            # another backend's kernels may leave K/V in other dtypes than the decoding model caches (Megatron's
+            # V stays fp32 under autocast): the cache takes the decoding model's (its own prefill's are those)
+            with forward_context():
+                dtypes = decode_kv_dtypes(causal_lm)
         rows_per_prompt = num_generations or input_ids.size(0) // max(1, len(groups.first_row))
         shared = _use_shared_decode(shared_decode, causal_lm, kwargs, rows_per_prompt)
         compiled = compiled_decode.use_compiled_decode(compile_decode, shared)
         width = input_ids.size(1)
         if shared:
             capacity = sd.expected_suffix_length(causal_lm, kwargs, width)
-            cache = _shared_cache(state, groups, width, capacity)
+            cache = _shared_cache(state, groups, width, capacity, dtypes)
         else:
-            cache = _expanded_cache(state, groups, width)
+            cache = _expanded_cache(state, groups, width, dtypes)
         deltas = _rope_deltas(state, groups, attention_mask)
         unique = len(groups.first_row)
         del state  # its K/V live on in the cache (and in `for_actor.state`)

@@ -42,7 +42,7 @@ from rollplex_trl.prefix import suffix_logps, unwrap_model
 from rollplex_trl.prefix.actor import ActorWindow
 from rollplex_trl.prefix.batch import prepared_rows_logps, shared_prefix_logps
 from rollplex_trl.prefix.cost import SharingDecision
-from rollplex_trl.prefix.generation import PrefillForActor, shared_prefill
+from rollplex_trl.prefix.generation import PrefillForActor, prefill_for_rollout, shared_prefill
 from rollplex_trl.prefix.suffix_attention import suffix_attention_mode
 from rollplex_trl.rollout.trl_vllm import RollplexVLLMGeneration, VLLMRollout
 from rollplex_trl.rollout.weight_casts import frozen_weight_casts_kept
@@ -396,12 +396,20 @@ class RollplexGRPOTrainer(GRPOTrainer):
         self._decide_sharing(prompt_ids)
         self._prefill_for_actor = None
         rows = self.batch.generation_rows
-        window = self._decode_window(rows) if self._takes_shared_prefill(images, rows, num_generations,
-                                                                          has_tool_images) else None
-        if window is None:
+        if not self._takes_shared_prefill(images, rows, num_generations, has_tool_images):
             pool.wait()
             return
         input_ids, attention_mask = trl_compat.generation_prompt_tensors(self, prompt_ids)
+        checkpointing = self._training_checkpointing()
+        prefill = self._rollout_prefill()
+        if prefill is not None:  # the first rank's prefill is a TP collective: run it alongside, keep it alike
+            self._prefill_for_actor = PrefillForActor(wanted=self._actor_from_prefill, checkpointing=checkpointing)
+            prefill_for_rollout(prefill, input_ids, attention_mask, rows, for_actor=self._prefill_for_actor,
+                                forward_context=self.accelerator.autocast)
+        window = self._decode_window(rows, checkpointing)
+        if window is None:
+            pool.wait()
+            return
         with window(input_ids, attention_mask):
             pool.wait()
 
@@ -427,6 +435,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
 
         checkpointing = self._training_checkpointing()
         self._prefill_for_actor = PrefillForActor(wanted=self._actor_from_prefill, checkpointing=checkpointing)
+        prefill = self._rollout_prefill()
         window = self._decode_window(rows, checkpointing)
         # the prefill runs in the autocast accelerate wraps the model's forward in, as TRL's `generate` does
         with shared_prefill(self.accelerator.unwrap_model(self.model), rows, on_prefill=log,
@@ -434,7 +443,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
                             shared_decode=self.rollplex["rollplex_shared_decode"], num_generations=num_generations,
                             for_actor=self._prefill_for_actor,
                             compile_decode=self.rollplex["rollplex_compile_decode"],
-                            forward_context=self.accelerator.autocast, decode_context=self._decode_weight_casts):
+                            forward_context=self.accelerator.autocast, decode_context=self._decode_weight_casts,
+                            prefill=prefill):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
 
@@ -485,14 +495,22 @@ class RollplexGRPOTrainer(GRPOTrainer):
             return contextlib.nullcontext()
         return frozen_weight_casts_kept(self.accelerator.unwrap_model(self.model))
 
+    def _rollout_prefill(self):
+        """How the transformers rollout prefills (`shared_prefill(prefill=)`): None for the decoding model's own
+        layers; on the Megatron backend its policy's prefix pass where that applies
+        (`MegatronBackend.rollout_prefill`)."""
+        return self.megatron.rollout_prefill(training=self.model.training) if self.megatron is not None else None
+
     def _actor_from_prefill(self) -> bool:
         """Whether this rollout's shared prefill can be the actor window's prefix: the window is this generation's
         (no optimizer step between them, so the weights are the same), the actor's prefix would be built from the
         same forward (the prefill runs under the trainer's autocast, as TRL's generate and the actor's job do, and,
         when kept, checkpointed as training checkpoints; no phase memory, whose activation offload wraps the actor's
-        prefix job), and the policy is the transformers model that decodes."""
-        return (self.model.training and self.actor_window is not None and self.megatron is None
-                and self.phase_memory is None and self._policy_prefix_jobs().actor)
+        prefix job), and the prefill runs the policy: the transformers model that decodes, or on the Megatron
+        backend its policy's prefix pass (`_rollout_prefix_fn`)."""
+        return (self.model.training and self.actor_window is not None and self.phase_memory is None
+                and (self.megatron is None or self._rollout_prefill() is not None)
+                and self._policy_prefix_jobs().actor)
 
     def _take_actor_prefix(self):
         """The actor window's precomputed prefix: the rollout's prefill kept for it, else the decode window's job."""

@@ -417,6 +417,40 @@ class MegatronBackend:
         return megatron_precompute_prefix(model, prompt_ids, prompt_mask, rows, keep_graph=keep_graph,
                                           prompts_per_chunk=prompts_per_chunk)
 
+    def rollout_prefill(self, *, training: bool):
+        """How the transformers rollout prefills its unique prompts on this backend (a `BackendPrefill` for
+        `shared_prefill(prefill=)`, prefix/generation.py), or None where it keeps its own prefill.
+
+        The policy's prefix pass (`run_megatron_prefix`, the actor's own prefix: the same function, mode and inputs
+        as the decode window's actor job) instead of the rollout model's: the weights are the same (the on-policy
+        barrier ran), and a prefill kept for the actor window then is the actor's prefix, so the prompt's forward
+        runs once per step instead of twice. At t > 1 it is a TP collective, and each rank holds its share of the
+        KV heads: the decode reads them gathered (`gather_kv_heads`); the pooled rollout's peers run the same
+        prefill (`RollplexGRPOTrainer._rollout_on_first_rank`), with their own threads on the first rank too.
+
+        M-RoPE models only: the decode steps continue positions from the state's `last_positions` (`rope_deltas`)
+        and RoPE depends on position differences only, so Megatron numbering a left-padded prompt's columns from 0
+        gives the K/V HF's padding-aware numbering gives. Qwen2's 1-D RoPE decode numbers a padded row's new
+        tokens from its first real token, which Megatron's column-counting prefix does not match."""
+        if not self.policy.is_vl:
+            return None
+        from rollplex_trl.backends.megatron.prefix import gather_kv_heads, run_megatron_prefix
+        from rollplex_trl.prefix.generation import BackendPrefill
+
+        policy, groups, pool = self.policy, self.groups, self.rollout_pool
+
+        def run(prompt_ids, prompt_mask, rows, *, keep_graph: bool):
+            policy.train(training)
+            return run_megatron_prefix(policy, prompt_ids, prompt_mask, rows, keep_graph=keep_graph)
+
+        def for_decode(state):
+            return gather_kv_heads(state, groups.tp_group, groups.tp_size)
+
+        # the pooled rollout's first rank prefills inside its decoding() (the group's threads): a collective with
+        # peers running their own threads, so its own here
+        return BackendPrefill(run=run, for_decode=for_decode,
+                              context=pool.with_own_threads if pool is not None else contextlib.nullcontext)
+
     # ---- log-probs ----------------------------------------------------------------------------------------------
 
     def logps_and_entropies(self, *, reference: bool, input_ids: torch.Tensor, attention_mask: torch.Tensor,

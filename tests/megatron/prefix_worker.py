@@ -5,6 +5,7 @@ records ``{case, rank, check, ok, value, detail}`` written to ``<out>/rank<k>.js
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import traceback
@@ -165,6 +166,9 @@ def equivalence_checks(path, t: int, record, *, bf16: bool = True, order=ORDER) 
     diff = max((logps1 - ref_logps).abs().max().item(), (ent1 - ref_ent).abs().max().item())
     record("no_grad, one prompt per chunk", diff <= LOGP_TOL and not logps1.requires_grad, "", diff)
 
+    if t > 1:
+        rollout_prefill_checks(path, policy, record)
+
     if bf16:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             full16, full_ent16 = full_logps(policy, batch)
@@ -188,6 +192,70 @@ def equivalence_checks(path, t: int, record, *, bf16: bool = True, order=ORDER) 
         scale = max(mw.rel_err(g, ref_grads[n]) for n, g in full16_grads.items())
         record("bf16 autocast grads vs full bf16", finite and worst <= BF16_GRAD_RTOL,
                f"full bf16 vs fp32 grads: {scale:.2e}", worst)
+
+
+def rollout_prefill(policy, groups=None):
+    """The trainer's Megatron rollout prefill (`MegatronBackend.rollout_prefill`) for this policy (no pooled
+    rollout: every rank decodes)."""
+    from types import SimpleNamespace
+
+    from rollplex_trl.trainers.megatron import MegatronBackend
+
+    backend = SimpleNamespace(policy=policy, groups=groups or policy.groups, rollout_pool=None)
+    return MegatronBackend.rollout_prefill(backend, training=True)
+
+
+def video_generate_inputs(path, G: int):
+    from trl.trainer.utils import pad
+
+    from rollplex_trl.data.prompt import generation_fields
+
+    prompts = prepared_prompts(path)  # two video prompts of different lengths: left padding in the batch
+    rows = [p for p in prompts for _ in range(G)]
+    fields = generation_fields(rows)
+    inputs = dict(
+        input_ids=pad([torch.tensor(r.prompt_ids) for r in rows], padding_value=0, padding_side="left"),
+        attention_mask=pad([torch.ones(r.num_prompt_tokens, dtype=torch.long) for r in rows], padding_value=0,
+                           padding_side="left"),
+        mm_token_type_ids=pad([torch.tensor(x) for x in fields.pop("mm_token_type_ids")], padding_value=0,
+                              padding_side="left"), **fields)
+    return rows, inputs
+
+
+def rollout_prefill_checks(path, policy, record) -> None:
+    """The transformers rollout decoding from the TP policy's prefill (`MegatronBackend.rollout_prefill` at t > 1:
+    a collective, then the ranks' KV heads gathered) on every rank: K/V equal HF's own prefill (1e-5) and the same
+    greedy tokens as HF's `generate` (the rollout model is this rank's full transformers copy)."""
+    from transformers import GenerationConfig
+
+    from rollplex_trl.prefix.generation import shared_prefill
+
+    hf = mw.load_hf(path).eval()
+    rows, inputs = video_generate_inputs(path, 2)
+    _, unique = video_generate_inputs(path, 1)
+    config = GenerationConfig(max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=[])
+    with torch.no_grad():
+        wanted = hf.model(**{k: v[:, :-1] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
+                             for k, v in unique.items()}, use_cache=True).past_key_values
+        plain = hf.generate(**inputs, generation_config=config)
+    prefill = rollout_prefill(policy)
+    decoded = []
+    original = prefill.for_decode
+
+    def recording(state):
+        decoded.append(original(state))
+        return decoded[-1]
+
+    prefill = dataclasses.replace(prefill, for_decode=recording)
+    with torch.no_grad(), shared_prefill(hf, rows, prefill=prefill):
+        ours = hf.generate(**inputs, generation_config=config)
+    (state,) = decoded
+    width = state.keys[0].size(2)
+    err = max(max((k - layer.keys[:, :, -width:]).abs().max().item(),
+                  (v - layer.values[:, :, -width:]).abs().max().item())
+              for k, v, layer in zip(state.keys, state.values, wanted.layers, strict=True))
+    record("rollout prefill, KV heads gathered: K/V equal HF's", err <= LOGP_TOL, "", err)
+    record("rollout prefill, KV heads gathered: HF's greedy tokens", torch.equal(ours, plain))
 
 
 def main(rank: int, world: int, port: int, path: str, out_dir: str, bf16: bool) -> None:

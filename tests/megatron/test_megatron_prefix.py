@@ -24,6 +24,9 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 CHECKS = ["unique prompts and vision tower once per prompt", "logps fp32", "entropy fp32",
           "padded completion positions too", "GPTModel grads (this rank's layout)", "vision tower grads",
           "sensitivity: the other prompt's K/V change the log-probs", "no_grad, one prompt per chunk"]
+# t > 1 only: the transformers rollout decoding from the TP policy's prefill (prefix_worker.rollout_prefill_checks)
+TP_CHECKS = ["rollout prefill, KV heads gathered: K/V equal HF's",
+             "rollout prefill, KV heads gathered: HF's greedy tokens"]
 BF16_CHECKS = ["bf16 autocast logps vs full bf16", "bf16 autocast entropy vs full bf16",
                "bf16 autocast grads vs full bf16"]
 
@@ -54,7 +57,7 @@ def two_ranks(tiny_vl_path, tmp_path_factory):
     return _spawn(tiny_vl_path, tmp_path_factory.mktemp("megatron-prefix-2ranks"), bf16=False)
 
 
-@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("check", CHECKS + TP_CHECKS)
 def test_tensor_parallel_2(two_ranks, check):
     mine = _assert_records(two_ranks, check)
     assert {r["rank"] for r in mine} == {0, 1}
@@ -63,7 +66,7 @@ def test_tensor_parallel_2(two_ranks, check):
 @pytest.mark.slow
 def test_tensor_parallel_2_bf16(tiny_vl_path, tmp_path):
     records = _spawn(tiny_vl_path, tmp_path, bf16=True)
-    for check in CHECKS + BF16_CHECKS:
+    for check in CHECKS + TP_CHECKS + BF16_CHECKS:
         assert {r["rank"] for r in _assert_records(records, check)} == {0, 1}
 
 
@@ -219,3 +222,80 @@ def test_text_model_qwen2_one_d_rope(one_process, tiny_qwen2_path):
     mw.loss_of(logps, ent, batch).backward()
     worst = max(mw.rel_err(p.grad, want[n]) for n, p in policy.gpt.named_parameters())
     assert worst <= pw.GRAD_RTOL
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("shared_decode", ["off", "on"])
+def test_rollout_decodes_from_the_policy_prefill(one_process, tiny_vl_path, precision, shared_decode):
+    """The transformers rollout decoding from the Megatron policy's prefix K/V (`shared_prefill(prefill=)`, what
+    the trainer does at t = 1) against HF's own `generate` on the same weights: two video prompts of different
+    lengths (left-padded rows), G = 3, the prompt's K/V expanded or shared. fp32: the same greedy tokens, and the
+    K/V equal HF's prefill (`past_key_values` of prompt[:, :-1]) within 1e-5. bf16 (the trainer's autocast, which
+    the prefill runs in as TRL's generate does): the K/V in HF's dtype, within bf16 rounding of HF's, and the first
+    decode step's logits within 2e-2 of HF's. t = 2: prefix_worker.py ("rollout prefill, KV heads gathered")."""
+    import contextlib
+
+    from transformers import GenerationConfig
+
+    from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel
+    from rollplex_trl.prefix import generation
+    from rollplex_trl.prefix.generation import shared_prefill
+
+    hf = mw.load_hf(tiny_vl_path).eval()
+    policy = MegatronPolicy(hf, init_model_parallel(1))
+    prefill = pw.rollout_prefill(policy)
+    bf16 = precision == "bf16"
+
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+    G = 3
+    rows, inputs = pw.video_generate_inputs(tiny_vl_path, G)
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=[],
+                              output_logits=True, return_dict_in_generate=True)
+    _, unique = pw.video_generate_inputs(tiny_vl_path, 1)
+    with torch.no_grad(), autocast():
+        wanted = hf.model(**{k: v[:, :-1] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
+                             for k, v in unique.items()}, use_cache=True).past_key_values
+        plain = hf.generate(**inputs, generation_config=config)
+    states = []
+    original = generation._prefill_unique
+
+    def recording(*args, **kwargs):
+        state, groups = original(*args, **kwargs)
+        states.append(state)
+        return state, groups
+
+    generation._prefill_unique = recording
+    try:
+        with torch.no_grad(), shared_prefill(hf, rows, shared_decode=shared_decode, forward_context=autocast,
+                                             prefill=prefill):
+            ours = hf.generate(**inputs, generation_config=config)
+    finally:
+        generation._prefill_unique = original
+    (state,) = states
+    width = state.keys[0].size(2)
+    with autocast():  # what the decode cache holds: Megatron's K/V cast to the dtypes HF's own prefill caches
+        dtypes = generation.decode_kv_dtypes(hf)
+    for layer, (k, v) in enumerate(zip(state.keys, state.values, strict=True)):
+        for name, got, want in (("keys", k, wanted.layers[layer].keys), ("values", v, wanted.layers[layer].values)):
+            want = want[:, :, -width:]
+            assert dtypes[name == "values"] == want.dtype, (layer, name, dtypes, want.dtype)
+            scale = want.float().abs().max().item()
+            err = (got.float() - want.float()).abs().max().item()
+            assert err <= (1e-2 * scale if bf16 else 1e-5), (layer, name, err, scale)
+    if bf16:  # the kernels round differently: compare the first step's scores, not whole greedy runs
+        assert (ours.logits[0] - plain.logits[0]).abs().max() <= 2e-2 * plain.logits[0].abs().max()
+    else:
+        assert torch.equal(ours.sequences, plain.sequences)
+
+
+def test_rollout_prefill_only_for_mrope_models(one_process, tiny_qwen2_path):
+    """Qwen2's 1-D RoPE decode numbers a padded row's new tokens from its first real token; Megatron's prefix
+    numbers columns, so the rollout keeps its own prefill there."""
+    from transformers import AutoModelForCausalLM
+
+    from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2_path, dtype=torch.float32, attn_implementation="eager")
+    assert pw.rollout_prefill(MegatronPolicy(hf, init_model_parallel(1))) is None

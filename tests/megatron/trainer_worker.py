@@ -82,6 +82,7 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         initial = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()}
         torch.save(initial, Path(out) / f"{tag}-rank{rank}-initial.pt")
     casts = _count_rollout_weight_casts(trainer) if bf16 and backend == "megatron" else None
+    prefills = _count_prefix_passes() if backend == "megatron" else None
     if resume:
         import torch.distributed as dist
 
@@ -114,6 +115,7 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
                                          for layer in trainer.megatron.policy.gpt.decoder.layers)
         if casts is not None:
             result["rollout_weight_casts"] = casts
+        result["prefix_passes"] = prefills
         result["rollout_frozen"] = not any(p.requires_grad for p in model.parameters())
     Path(out, f"{tag}-rank{rank}.json").write_text(json.dumps(result))
     import torch.distributed as dist
@@ -121,6 +123,30 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     if dist.is_initialized() and dist.get_world_size() > 1:  # under torchrun (in-process runs keep pytest's world)
         trainer.end()  # every rank done, the groups released before the interpreter's exit (RollplexGRPOTrainer.end)
     return result
+
+
+def _count_prefix_passes() -> dict:
+    """Prompt forwards by kind: the transformers rollout model's prefill (`run_prefix` through prefix/generation.py)
+    and the Megatron policy's prefix passes with and without their autograd graph (every Megatron prefix pass:
+    the decode window's jobs, the rollout's prefill where it runs there, the actor window's own)."""
+    import importlib
+
+    megatron_prefix = importlib.import_module("rollplex_trl.backends.megatron.prefix")
+    generation = importlib.import_module("rollplex_trl.prefix.generation")
+
+    counts = {"transformers": 0, "megatron_graph": 0, "megatron_no_grad": 0}
+    run_prefix, megatron = generation.run_prefix, megatron_prefix.megatron_prefix
+
+    def transformers(*args, **kwargs):
+        counts["transformers"] += 1
+        return run_prefix(*args, **kwargs)
+
+    def policy(*args, keep_graph, **kwargs):
+        counts["megatron_graph" if keep_graph else "megatron_no_grad"] += 1
+        return megatron(*args, keep_graph=keep_graph, **kwargs)
+
+    generation.run_prefix, megatron_prefix.megatron_prefix = transformers, policy  # this process is this run's
+    return counts
 
 
 def _count_rollout_weight_casts(trainer) -> dict:

@@ -165,7 +165,8 @@ def test_cache_holds_prompt_once(tiny_qwen2_path):
     from rollplex_trl.prefix import generation
 
     P = enc["input_ids"].size(1)
-    state, groups = generation._prefill_unique(model, enc["input_ids"], enc["attention_mask"], None)
+    state, groups = generation._prefill_unique(generation._transformers_prefill(model), enc["input_ids"],
+                                             enc["attention_mask"], None)
     cache = generation._shared_cache(state, groups, P, capacity=5)
     layer = cache.layers[0]
     assert layer.prefix_k.size(0) == 1 and layer.prefix_k.size(2) == P - 1  # one copy for the 8 rows

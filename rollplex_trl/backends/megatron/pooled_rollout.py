@@ -118,6 +118,10 @@ class PooledRollout:
 
         return pooled
 
+    def with_own_threads(self) -> contextlib.AbstractContextManager:
+        """Within the first rank's `decoding()`: its own thread count for a TP collective (the peers run theirs)."""
+        return _threads(self.own_threads)
+
     def wait(self) -> None:
         """A peer: until the first rank's decode of this rollout is done (no collective: the window's jobs may be
         the next TP collectives)."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -238,6 +238,26 @@ def megatron_prefix(policy: MegatronPolicy, prompt_ids: torch.Tensor, prompt_mas
         keys=keys, values=values, prompt_mask=prompt_mask, last_token_ids=prompt_ids[:, -1],
         last_positions=positions[..., -1], num_layers=len(modules),
         has_graph=any(t.requires_grad for t in (*keys, *values)), rope_index=rope_index)
+
+
+def gather_kv_heads(state: PrefixState, tp_group, tp_size: int) -> PrefixState:
+    """The state with every KV head, detached: each TP rank's ``(U, kv_heads/t, P-1, hd)`` K/V gathered in rank
+    order (Megatron gives rank i the query groups ``[i g/t, (i+1) g/t)``, so this is the HF head order), for a
+    decode that needs all heads (the transformers rollout). A collective over the TP group at t > 1 (two gathers);
+    at t = 1 the state's own tensors, detached."""
+    keys = [k.detach() for k in state.keys]
+    values = [v.detach() for v in state.values]
+    if tp_size > 1:
+        import torch.distributed as dist
+
+        gathered = []
+        for tensors in (keys, values):
+            stacked = torch.stack(tensors)  # (layers, U, heads/t, P-1, hd): one collective for all layers
+            parts = [torch.empty_like(stacked) for _ in range(tp_size)]
+            dist.all_gather(parts, stacked.contiguous(), group=tp_group)
+            gathered.append(list(torch.cat(parts, dim=2).unbind(0)))
+        keys, values = gathered
+    return replace(state, keys=keys, values=values, has_graph=False)
 
 
 def suffix_attention_mask(state: PrefixState, rows: torch.Tensor, suffix_mask: torch.Tensor) -> torch.Tensor:
