@@ -13,6 +13,10 @@ with the ratios to the `hf` backend, and TRL's `step_time` metric (its `training
   intra-op thread, as the single-process runs get two. The rollout model is mapped onto both ranks' shards
   (`rollplex_weight_mapping` auto), its row-parallel weights read in place by split-K Linears
   (`rollplex_row_parallel_views` auto);
+- `megatron t=1, own prefill`, `megatron t=2, own prefill`: the rollout model prefills the prompts itself and the
+  decode window's job builds the actor's prefix, as before 2026-12-03 (by default the rollout decodes from the
+  Megatron policy's prefix pass, kept as the actor's prefix: one prompt forward per step fewer;
+  `MegatronBackend.rollout_prefill`);
 - `megatron t=2, copied rows`: the same with `rollplex_row_parallel_views="off"` (those weights copied after each
   step);
 - `megatron t=2, views`: `rollplex_weight_mapping="off"` (views of local shards, the rest all-gathered after each
@@ -24,7 +28,8 @@ For the Megatron runs it also reports the live weight-sync bytes per optimizer s
 `rollplex/sync_bytes_aliased`) next to the sharding planner's numbers for the plan the mapping executes (t, r = 1,
 the transformers model's unfused consumer: backends/megatron/mapped_weights.py).
 
-Usage:  .venv/bin/python benchmarks/bench_megatron.py [--quick] [--max-tp 1] [--out benchmarks/results/megatron.json]
+Usage:  .venv/bin/python benchmarks/bench_megatron.py [--quick] [--max-tp 1] [--bf16]
+            [--out benchmarks/results/megatron.json]
 
 On a GPU (benchmarks/gpu_h200.sh runs it with --max-tp 1: one device) this has never run: no GPU was lent yet.
 """
@@ -41,22 +46,32 @@ import sys
 import tempfile
 from pathlib import Path
 
-# (name, backend, t, rollplex_share_prefix, rollplex_weight_mapping, rollplex_row_parallel_views)
-RUNS = [("hf, prefix off", "hf", 1, "off", "auto", "auto"), ("hf (shared prefix)", "hf", 1, "auto", "auto", "auto"),
-        ("megatron t=1", "megatron", 1, "auto", "auto", "auto"),
-        ("megatron t=2", "megatron", 2, "auto", "auto", "auto"),
-        ("megatron t=2, copied rows", "megatron", 2, "auto", "auto", "off"),
-        ("megatron t=2, views", "megatron", 2, "auto", "off", "auto")]
+# (name, backend, t, rollplex_share_prefix, rollplex_weight_mapping, rollplex_row_parallel_views, rollout prefill:
+# "policy" = the Megatron policy's prefix pass, kept as the actor's prefix (MegatronBackend.rollout_prefill, the
+# default), "rollout" = the rollout model's own prefill and the window's actor job, as before 2026-12-03)
+RUNS = [("hf, prefix off", "hf", 1, "off", "auto", "auto", "policy"),
+        ("hf (shared prefix)", "hf", 1, "auto", "auto", "auto", "policy"),
+        ("megatron t=1", "megatron", 1, "auto", "auto", "auto", "policy"),
+        ("megatron t=1, own prefill", "megatron", 1, "auto", "auto", "auto", "rollout"),
+        ("megatron t=2", "megatron", 2, "auto", "auto", "auto", "policy"),
+        ("megatron t=2, own prefill", "megatron", 2, "auto", "auto", "auto", "rollout"),
+        ("megatron t=2, copied rows", "megatron", 2, "auto", "auto", "off", "policy"),
+        ("megatron t=2, views", "megatron", 2, "auto", "off", "auto", "policy")]
 
 
 def worker(argv: list[str]) -> None:
     """One training run (in a child process; under torchrun for t > 1); writes its step times and sync bytes."""
-    model_path, data, out, backend, tp, share, mapping, views, steps, G, C, precision = argv
+    model_path, data, out, backend, tp, share, mapping, views, prefill, steps, G, C, precision = argv
     import torch
     from bench_common import wall_step_clock
 
     from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
     from rollplex_trl.data import accuracy_reward, format_reward, load_video_r1
+
+    if prefill == "rollout":  # the rollout model prefills, the decode window's job builds the actor's prefix
+        from rollplex_trl.trainers.megatron import MegatronBackend
+
+        MegatronBackend.rollout_prefill = lambda self, training: None
 
     config = RollplexGRPOConfig(
         output_dir=out, max_steps=int(steps), per_device_train_batch_size=int(G) * 2, num_generations=int(G),
@@ -93,9 +108,9 @@ def _port() -> int:
 
 
 def _run(model_path: Path, data: Path, tmp: Path, name: str, backend: str, tp: int, share: str, mapping: str,
-         views: str, args) -> dict:
+         views: str, prefill: str, args) -> dict:
     out = tmp / name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "").replace("=", "")
-    common = [str(model_path), str(data), str(out), backend, str(tp), share, mapping, views, str(args.steps),
+    common = [str(model_path), str(data), str(out), backend, str(tp), share, mapping, views, prefill, str(args.steps),
               str(args.G), str(args.C), "bf16" if args.bf16 else "fp32"]
     threads = max(1, (os.cpu_count() or 2) // tp)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
@@ -148,6 +163,7 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true",
                         help="TRL's default bf16 autocast for every run (default: fp32; gradient checkpointing is on "
                              "in both)")
+    parser.add_argument("--runs", nargs="*", help="only the runs whose name contains one of these (default: all)")
     parser.add_argument("--out", default="benchmarks/results/megatron.json")
     args = parser.parse_args()
     if args.quick:
@@ -162,14 +178,14 @@ def main() -> None:
         tmp = Path(tmp_name)
         data = write_synthetic_video_dataset(tmp / "data", SyntheticVideoConfig(num_samples=16, seed=0, num_frames=4,
                                                                                 height=56, width=56, fps=2))
-        runs = [r for r in RUNS if r[2] <= args.max_tp]
+        runs = [r for r in RUNS if r[2] <= args.max_tp and (not args.runs or any(k in r[0] for k in args.runs))]
         results: dict[str, list[dict]] = {r[0]: [] for r in runs}
         for repeat in range(args.repeats):  # alternating: a load spike hits one repeat of each, not one config
-            for name, backend, tp, share, mapping, views in runs:
+            for name, backend, tp, share, mapping, views, prefill in runs:
                 mapping = args.weight_mapping if backend == "megatron" and mapping != "off" else mapping
                 results[name].append(_run(model_path, data, tmp / f"r{repeat}", name, backend, tp, share, mapping,
-                                          views, args))
-        for name, backend, tp, share, mapping, views in runs:
+                                          views, prefill, args))
+        for name, backend, tp, share, mapping, views, prefill in runs:
             mapping = args.weight_mapping if backend == "megatron" and mapping != "off" else mapping
             steps, metric, copied, aliased, decode, sync = [], [], [], [], [], []
             for result in results[name]:
@@ -180,7 +196,7 @@ def main() -> None:
                 copied += result["sync_bytes_copied"]
                 aliased += result["sync_bytes_aliased"]
             row = {"run": name, "backend": backend, "t": tp, "share_prefix": share, "weight_mapping": mapping,
-                   "row_parallel_views": views,
+                   "row_parallel_views": views, "rollout_prefill": prefill if backend == "megatron" else None,
                    "step_s": statistics.median(steps), "step_s_all": steps,
                    "step_time_metric_s": statistics.median(metric),
                    "decode_s": statistics.median(decode) if decode else None,
@@ -191,10 +207,10 @@ def main() -> None:
             if backend == "megatron" and mapping != "off":
                 row["plan"] = _plan_bytes(model_path, tp, views != "off")
             rows.append(row)
-    base = rows[0]["step_s"]
+    base = next((r["step_s"] for r in rows if r["backend"] == "hf" and r["share_prefix"] == "off"), None)
     default = next((r["step_s"] for r in rows if r["backend"] == "hf" and r["share_prefix"] != "off"), None)
     for row in rows:
-        row["vs_hf_prefix_off"] = row["step_s"] / base
+        row["vs_hf_prefix_off"] = row["step_s"] / base if base else None
         row["vs_hf"] = row["step_s"] / default if default else None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -216,7 +232,7 @@ def main() -> None:
 
         print(f"{row['run']:<26} {row['step_s']:>8.3f} {row['step_time_metric_s']:>9.3f} {sec(row['decode_s']):>9} "
               f"{sec(row['weight_sync_s']):>7} "
-              f"{row['vs_hf_prefix_off']:>9.2f} {row['vs_hf'] or 0:>6.2f} "
+              f"{row['vs_hf_prefix_off'] or 0:>9.2f} {row['vs_hf'] or 0:>6.2f} "
               f"{mib(row.get('sync_bytes_copied')):>16} {mib(row.get('sync_bytes_aliased')):>12} "
               f"{mib(plan.get('copied')):>12} {mib(plan.get('aliased')):>13}")
     print(f"written: {out}")

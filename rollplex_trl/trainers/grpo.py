@@ -507,7 +507,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         same forward (the prefill runs under the trainer's autocast, as TRL's generate and the actor's job do, and,
         when kept, checkpointed as training checkpoints; no phase memory, whose activation offload wraps the actor's
         prefix job), and the prefill runs the policy: the transformers model that decodes, or on the Megatron
-        backend its policy's prefix pass (`_rollout_prefix_fn`)."""
+        backend its policy's prefix pass (`_rollout_prefill`)."""
         return (self.model.training and self.actor_window is not None and self.phase_memory is None
                 and (self.megatron is None or self._rollout_prefill() is not None)
                 and self._policy_prefix_jobs().actor)

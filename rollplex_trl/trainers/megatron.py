@@ -425,7 +425,8 @@ class MegatronBackend:
         as the decode window's actor job) instead of the rollout model's: the weights are the same (the on-policy
         barrier ran), and a prefill kept for the actor window then is the actor's prefix, so the prompt's forward
         runs once per step instead of twice. At t > 1 it is a TP collective, and each rank holds its share of the
-        KV heads: the decode reads them gathered (`gather_kv_heads`); the pooled rollout's peers run the same
+        KV heads: the decode reads them gathered (`gather_kv_heads`, through the shared-memory all-reduce where
+        it runs); the pooled rollout's peers run the same
         prefill (`RollplexGRPOTrainer._rollout_on_first_rank`), with their own threads on the first rank too.
 
         M-RoPE models only: the decode steps continue positions from the state's `last_positions` (`rope_deltas`)
@@ -444,7 +445,7 @@ class MegatronBackend:
             return run_megatron_prefix(policy, prompt_ids, prompt_mask, rows, keep_graph=keep_graph)
 
         def for_decode(state):
-            return gather_kv_heads(state, groups.tp_group, groups.tp_size)
+            return gather_kv_heads(state, groups, self.all_reduce)
 
         # the pooled rollout's first rank prefills inside its decoding() (the group's threads): a collective with
         # peers running their own threads, so its own here

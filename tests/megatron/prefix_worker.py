@@ -194,14 +194,14 @@ def equivalence_checks(path, t: int, record, *, bf16: bool = True, order=ORDER) 
                f"full bf16 vs fp32 grads: {scale:.2e}", worst)
 
 
-def rollout_prefill(policy, groups=None):
+def rollout_prefill(policy, groups=None, all_reduce=None):
     """The trainer's Megatron rollout prefill (`MegatronBackend.rollout_prefill`) for this policy (no pooled
     rollout: every rank decodes)."""
     from types import SimpleNamespace
 
     from rollplex_trl.trainers.megatron import MegatronBackend
 
-    backend = SimpleNamespace(policy=policy, groups=groups or policy.groups, rollout_pool=None)
+    backend = SimpleNamespace(policy=policy, groups=groups or policy.groups, rollout_pool=None, all_reduce=all_reduce)
     return MegatronBackend.rollout_prefill(backend, training=True)
 
 
@@ -238,24 +238,35 @@ def rollout_prefill_checks(path, policy, record) -> None:
         wanted = hf.model(**{k: v[:, :-1] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
                              for k, v in unique.items()}, use_cache=True).past_key_values
         plain = hf.generate(**inputs, generation_config=config)
-    prefill = rollout_prefill(policy)
-    decoded = []
-    original = prefill.for_decode
+    from rollplex_trl.backends.megatron.shm_all_reduce import SharedMemoryAllReduce
 
-    def recording(state):
-        decoded.append(original(state))
-        return decoded[-1]
+    shm = SharedMemoryAllReduce(policy.groups.tp_group)
+    errors, equal, states = [], [], []
+    for all_reduce in (None, shm):  # gathered by dist.all_gather, or through the shared-memory all-reduce
+        prefill = rollout_prefill(policy, all_reduce=all_reduce)
+        decoded = []
+        original = prefill.for_decode
 
-    prefill = dataclasses.replace(prefill, for_decode=recording)
-    with torch.no_grad(), shared_prefill(hf, rows, prefill=prefill):
-        ours = hf.generate(**inputs, generation_config=config)
-    (state,) = decoded
-    width = state.keys[0].size(2)
-    err = max(max((k - layer.keys[:, :, -width:]).abs().max().item(),
-                  (v - layer.values[:, :, -width:]).abs().max().item())
-              for k, v, layer in zip(state.keys, state.values, wanted.layers, strict=True))
-    record("rollout prefill, KV heads gathered: K/V equal HF's", err <= LOGP_TOL, "", err)
-    record("rollout prefill, KV heads gathered: HF's greedy tokens", torch.equal(ours, plain))
+        def recording(state, original=original, decoded=decoded):
+            decoded.append(original(state))
+            return decoded[-1]
+
+        prefill = dataclasses.replace(prefill, for_decode=recording)
+        with torch.no_grad(), shared_prefill(hf, rows, prefill=prefill):
+            ours = hf.generate(**inputs, generation_config=config)
+        (state,) = decoded
+        width = state.keys[0].size(2)
+        errors.append(max(max((k - layer.keys[:, :, -width:]).abs().max().item(),
+                              (v - layer.values[:, :, -width:]).abs().max().item())
+                          for k, v, layer in zip(state.keys, state.values, wanted.layers, strict=True)))
+        equal.append(torch.equal(ours, plain))
+        states.append(state)
+    shm.close()
+    same = all(torch.equal(a, b) for a, b in zip(states[0].keys + states[0].values, states[1].keys + states[1].values,
+                                                 strict=True))
+    record("rollout prefill, KV heads gathered: K/V equal HF's", max(errors) <= LOGP_TOL and same,
+           f"all_gather / shm all-reduce equal: {same}", max(errors))
+    record("rollout prefill, KV heads gathered: HF's greedy tokens", all(equal), str(equal))
 
 
 def main(rank: int, world: int, port: int, path: str, out_dir: str, bf16: bool) -> None:

@@ -299,3 +299,28 @@ def test_rollout_prefill_only_for_mrope_models(one_process, tiny_qwen2_path):
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2_path, dtype=torch.float32, attn_implementation="eager")
     assert pw.rollout_prefill(MegatronPolicy(hf, init_model_parallel(1))) is None
+
+
+def test_rollout_decodes_text_prompts_from_the_policy_prefill(one_process, tiny_vl_path):
+    """Text-only prompts of different lengths on the VL model (rows None: grouped by their tokens): Megatron's prefix
+    numbers the left-padded columns from 0, HF's `generate` from each row's first real token; the decode continues
+    from the state's last position, so HF's greedy tokens (fp32)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel
+    from rollplex_trl.prefix.generation import shared_prefill
+
+    hf = mw.load_hf(tiny_vl_path).eval()
+    policy = MegatronPolicy(hf, init_model_parallel(1))
+    tok = AutoTokenizer.from_pretrained(tiny_vl_path, padding_side="left")
+    texts = ["count the balls", "a much longer prompt about red balls moving left and right across the frame"]
+    enc = dict(tok([t for t in texts for _ in range(3)], return_tensors="pt", padding=True))
+    assert not bool(enc["attention_mask"].all())  # left padding in the batch
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=[])
+    seen = []
+    with torch.no_grad():
+        plain = hf.generate(**enc, generation_config=config)
+        with shared_prefill(hf, None, on_prefill=lambda rows, unique: seen.append((rows, unique)),
+                            prefill=pw.rollout_prefill(policy)):
+            ours = hf.generate(**enc, generation_config=config)
+    assert seen == [(6, 2)] and torch.equal(ours, plain)

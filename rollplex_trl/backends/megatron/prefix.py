@@ -29,7 +29,7 @@ per layer), so ``take``, ``detach_prefix`` / ``backward_prefix`` (the actor's tw
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -43,6 +43,7 @@ from rollplex_trl.prefix.state import PrefixState
 
 if TYPE_CHECKING:
     from rollplex_trl.backends.megatron.model import MegatronPolicy
+    from rollplex_trl.backends.megatron.parallel import ParallelGroups
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -240,22 +241,36 @@ def megatron_prefix(policy: MegatronPolicy, prompt_ids: torch.Tensor, prompt_mas
         has_graph=any(t.requires_grad for t in (*keys, *values)), rope_index=rope_index)
 
 
-def gather_kv_heads(state: PrefixState, tp_group, tp_size: int) -> PrefixState:
+def gather_kv_heads(state: PrefixState, groups: ParallelGroups,
+                    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PrefixState:
     """The state with every KV head, detached: each TP rank's ``(U, kv_heads/t, P-1, hd)`` K/V gathered in rank
     order (Megatron gives rank i the query groups ``[i g/t, (i+1) g/t)``, so this is the HF head order), for a
-    decode that needs all heads (the transformers rollout). A collective over the TP group at t > 1 (two gathers);
-    at t = 1 the state's own tensors, detached."""
+    decode that needs all heads (the transformers rollout). A collective over the TP group at t > 1 (one for K, one
+    for V, all layers at once); at t = 1 the state's own tensors, detached.
+
+    ``all_reduce``: the TP group's in-place all-reduce (the shared-memory one, `shm_all_reduce.py`) to gather with:
+    each rank writes its heads into a zeroed full-width buffer and the sum is the gather, exactly (x + 0 = x).
+    Otherwise ``dist.all_gather`` (gloo on CPU), which on the 2-core machine left the first rank's next decode
+    running on about one core (0.25 vs 0.16 s, its OpenMP worker mostly idle; cause not found)."""
     keys = [k.detach() for k in state.keys]
     values = [v.detach() for v in state.values]
-    if tp_size > 1:
-        import torch.distributed as dist
-
+    t = groups.tp_size
+    if t > 1:
         gathered = []
         for tensors in (keys, values):
-            stacked = torch.stack(tensors)  # (layers, U, heads/t, P-1, hd): one collective for all layers
-            parts = [torch.empty_like(stacked) for _ in range(tp_size)]
-            dist.all_gather(parts, stacked.contiguous(), group=tp_group)
-            gathered.append(list(torch.cat(parts, dim=2).unbind(0)))
+            stacked = torch.stack(tensors)  # (layers, U, heads/t, P-1, hd)
+            h = stacked.size(2)
+            if all_reduce is not None:
+                full = stacked.new_zeros(stacked.size(0), stacked.size(1), t * h, *stacked.shape[3:])
+                full[:, :, groups.tp_rank * h:(groups.tp_rank + 1) * h] = stacked
+                all_reduce(full)
+            else:
+                import torch.distributed as dist
+
+                parts = [torch.empty_like(stacked) for _ in range(t)]
+                dist.all_gather(parts, stacked.contiguous(), group=groups.tp_group)
+                full = torch.cat(parts, dim=2)
+            gathered.append(list(full.unbind(0)))
         keys, values = gathered
     return replace(state, keys=keys, values=values, has_graph=False)
 
