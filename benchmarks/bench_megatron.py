@@ -163,7 +163,7 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true",
                         help="TRL's default bf16 autocast for every run (default: fp32; gradient checkpointing is on "
                              "in both)")
-    parser.add_argument("--runs", nargs="*", help="only the runs whose name contains one of these (default: all)")
+    parser.add_argument("--runs", nargs="*", help="only these runs, by name (default: all)")
     parser.add_argument("--out", default="benchmarks/results/megatron.json")
     args = parser.parse_args()
     if args.quick:
@@ -178,7 +178,7 @@ def main() -> None:
         tmp = Path(tmp_name)
         data = write_synthetic_video_dataset(tmp / "data", SyntheticVideoConfig(num_samples=16, seed=0, num_frames=4,
                                                                                 height=56, width=56, fps=2))
-        runs = [r for r in RUNS if r[2] <= args.max_tp and (not args.runs or any(k in r[0] for k in args.runs))]
+        runs = [r for r in RUNS if r[2] <= args.max_tp and (not args.runs or r[0] in args.runs)]
         results: dict[str, list[dict]] = {r[0]: [] for r in runs}
         for repeat in range(args.repeats):  # alternating: a load spike hits one repeat of each, not one config
             for name, backend, tp, share, mapping, views, prefill in runs:
@@ -230,9 +230,12 @@ def main() -> None:
         def sec(x):
             return "-" if x is None else f"{x:.3f}"
 
+        def ratio(x):
+            return "-" if x is None else f"{x:.2f}"
+
         print(f"{row['run']:<26} {row['step_s']:>8.3f} {row['step_time_metric_s']:>9.3f} {sec(row['decode_s']):>9} "
               f"{sec(row['weight_sync_s']):>7} "
-              f"{row['vs_hf_prefix_off'] or 0:>9.2f} {row['vs_hf'] or 0:>6.2f} "
+              f"{ratio(row['vs_hf_prefix_off']):>9} {ratio(row['vs_hf']):>6} "
               f"{mib(row.get('sync_bytes_copied')):>16} {mib(row.get('sync_bytes_aliased')):>12} "
               f"{mib(plan.get('copied')):>12} {mib(plan.get('aliased')):>13}")
     print(f"written: {out}")
