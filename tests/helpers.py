@@ -40,6 +40,21 @@ class WeightCasts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def record_prefill_states(monkeypatch) -> list:
+    """The `PrefixState` of every shared prefill (prefix/generation.py `_prefill_unique`) from now on, in order."""
+    from rollplex_trl.prefix import generation
+
+    states, original = [], generation._prefill_unique
+
+    def recording(*args, **kwargs):
+        state, groups = original(*args, **kwargs)
+        states.append(state)
+        return state, groups
+
+    monkeypatch.setattr(generation, "_prefill_unique", recording)
+    return states
+
+
 def write_mp4(path: Path, num_frames: int, height: int, width: int, fps: int = 4, seed: int = 0) -> Path:
     """Write a real MP4 clip of smooth random colour blocks (compressible, but not constant)."""
     from rollplex_trl.data.synthetic import write_mp4 as encode

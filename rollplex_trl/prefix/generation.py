@@ -7,6 +7,9 @@ cache to the R rows, and lets HF's `generate` continue from it. HF then runs onl
 sampling, exactly as when it continues generation from past key/values, so the sampling loop, its random draws and
 TRL's post-processing are unchanged.
 
+A training backend whose policy is not the decoding model (Megatron) prefills with its policy instead
+(`BackendPrefill`): the decode reads that K/V, cast to the dtypes the decoding model caches.
+
 With `shared_decode` on (prefix/shared_decode.py) the cache is not expanded: the U prompts' K/V stay one copy per
 prompt, each row keeps only its own K/V, and attention merges the two parts exactly (cascade attention).
 

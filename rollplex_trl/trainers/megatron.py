@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.data import Sampler
 
 from rollplex_trl.data.prompt import PreparedPrompt, token_type_ids, vision_inputs
+from rollplex_trl.prefix.generation import BackendPrefill
 
 logger = logging.getLogger(__name__)
 
@@ -417,7 +418,7 @@ class MegatronBackend:
         return megatron_precompute_prefix(model, prompt_ids, prompt_mask, rows, keep_graph=keep_graph,
                                           prompts_per_chunk=prompts_per_chunk)
 
-    def rollout_prefill(self, *, training: bool):
+    def rollout_prefill(self, *, training: bool) -> BackendPrefill | None:
         """How the transformers rollout prefills its unique prompts on this backend (a `BackendPrefill` for
         `shared_prefill(prefill=)`, prefix/generation.py), or None where it keeps its own prefill.
 
@@ -426,8 +427,8 @@ class MegatronBackend:
         barrier ran), and a prefill kept for the actor window then is the actor's prefix, so the prompt's forward
         runs once per step instead of twice. At t > 1 it is a TP collective, and each rank holds its share of the
         KV heads: the decode reads them gathered (`gather_kv_heads`, through the shared-memory all-reduce where
-        it runs); the pooled rollout's peers run the same
-        prefill (`RollplexGRPOTrainer._rollout_on_first_rank`), with their own threads on the first rank too.
+        it runs); the pooled rollout's peers run the same prefill (`RollplexGRPOTrainer._rollout_on_first_rank`),
+        and the first rank runs it with its own threads, as they do.
 
         M-RoPE models only: the decode steps continue positions from the state's `last_positions` (`rope_deltas`)
         and RoPE depends on position differences only, so Megatron numbering a left-padded prompt's columns from 0
@@ -436,7 +437,6 @@ class MegatronBackend:
         if not self.policy.is_vl:
             return None
         from rollplex_trl.backends.megatron.prefix import gather_kv_heads, run_megatron_prefix
-        from rollplex_trl.prefix.generation import BackendPrefill
 
         policy, groups, pool = self.policy, self.groups, self.rollout_pool
 

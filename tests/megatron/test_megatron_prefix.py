@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from helpers import record_prefill_states
+
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -226,7 +228,7 @@ def test_text_model_qwen2_one_d_rope(one_process, tiny_qwen2_path):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("shared_decode", ["off", "on"])
-def test_rollout_decodes_from_the_policy_prefill(one_process, tiny_vl_path, precision, shared_decode):
+def test_rollout_decodes_from_the_policy_prefill(one_process, tiny_vl_path, monkeypatch, precision, shared_decode):
     """The transformers rollout decoding from the Megatron policy's prefix K/V (`shared_prefill(prefill=)`, what
     the trainer does at t = 1) against HF's own `generate` on the same weights: two video prompts of different
     lengths (left-padded rows), G = 3, the prompt's K/V expanded or shared. fp32: the same greedy tokens, and the
@@ -258,21 +260,10 @@ def test_rollout_decodes_from_the_policy_prefill(one_process, tiny_vl_path, prec
         wanted = hf.model(**{k: v[:, :-1] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
                              for k, v in unique.items()}, use_cache=True).past_key_values
         plain = hf.generate(**inputs, generation_config=config)
-    states = []
-    original = generation._prefill_unique
-
-    def recording(*args, **kwargs):
-        state, groups = original(*args, **kwargs)
-        states.append(state)
-        return state, groups
-
-    generation._prefill_unique = recording
-    try:
-        with torch.no_grad(), shared_prefill(hf, rows, shared_decode=shared_decode, forward_context=autocast,
-                                             prefill=prefill):
-            ours = hf.generate(**inputs, generation_config=config)
-    finally:
-        generation._prefill_unique = original
+    states = record_prefill_states(monkeypatch)
+    with torch.no_grad(), shared_prefill(hf, rows, shared_decode=shared_decode, forward_context=autocast,
+                                         prefill=prefill):
+        ours = hf.generate(**inputs, generation_config=config)
     (state,) = states
     width = state.keys[0].size(2)
     with autocast():  # what the decode cache holds: Megatron's K/V cast to the dtypes HF's own prefill caches

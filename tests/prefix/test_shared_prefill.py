@@ -15,6 +15,8 @@ from rollplex_trl.data.prompt import generation_fields, prepare_prompt
 from rollplex_trl.data.video import VideoSamplingConfig, frames_to_video
 from rollplex_trl.prefix.generation import shared_prefill
 
+from helpers import record_prefill_states
+
 
 def _generate_both(model, inputs, rows, do_sample):
     config = GenerationConfig(max_new_tokens=8, do_sample=do_sample, pad_token_id=0, eos_token_id=[])
@@ -77,7 +79,6 @@ def test_prefill_under_the_wrapped_forwards_autocast(tiny_vl_path, monkeypatch, 
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from rollplex_trl.prefix import generation
 
     processor = AutoProcessor.from_pretrained(tiny_vl_path)
     # an earlier test's trainer leaves the process-wide state at its precision: start afresh, as TrainingArguments
@@ -106,15 +107,7 @@ def test_prefill_under_the_wrapped_forwards_autocast(tiny_vl_path, monkeypatch, 
     with torch.no_grad():  # HF's own forward through accelerate's wrapper: the K/V TRL's generate prefills with
         wrapped = model(**{k: v[:, :-1] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
                            for k, v in unique.items()}, use_cache=True).past_key_values
-    states = []
-    real_prefill = generation._prefill_unique
-
-    def recording(*args, **kwargs):
-        state, groups = real_prefill(*args, **kwargs)
-        states.append(state)
-        return state, groups
-
-    monkeypatch.setattr(generation, "_prefill_unique", recording)
+    states = record_prefill_states(monkeypatch)
 
     G = 4
     inputs = batch([p for p in prompts for _ in range(G)])
