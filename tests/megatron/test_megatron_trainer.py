@@ -251,7 +251,10 @@ def test_tensor_parallel_2_under_trl_defaults_bf16(tiny_vl_path, tmp_path):
     rounds differently): the bf16 rounding of two different kernels, amplified by one AdamW step (an element whose
     gradient is float noise moves by up to lr either way). Hence 6e-2 at step 2, which still catches a wrong update:
     KL grows with the square of the step, so an update off by 25% moves it by ~50%. By step 3 the rollouts sample
-    different tokens (the rollout weights differ in the last bf16 bits), so only steps 1-2 are compared."""
+    different tokens (the rollout weights differ in the last bf16 bits), so only steps 1-2 are compared. Since the
+    rollout decodes from the Megatron policy's prefill, its prompt K/V come from Megatron's kernels (TP-split sums):
+    equal sampled tokens at steps 1-2 hold on this machine, and could in principle not on a CPU that rounds bf16
+    differently."""
     sys.path.insert(0, str(WORKER.parent))
     import trainer_worker
 
