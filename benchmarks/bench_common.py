@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import warnings
 from pathlib import Path
@@ -43,3 +44,14 @@ def wall_step_clock():
             self._last = now
 
     return WallStepClock()
+
+
+def add_image_workload_args(parser: argparse.ArgumentParser, *, repeats: int) -> None:
+    """The image GRPO workload's options, shared by the benchmarks that run it (bench_vs_trl.py,
+    bench_trl_defaults.py): model preset, G, forced completion length, image size, steps per run, runs."""
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--completion-length", type=int, default=32)
+    parser.add_argument("--image-size", type=int, default=448)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=repeats)

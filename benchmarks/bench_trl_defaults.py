@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_common import quiet_checkpoint, wall_step_clock
+from bench_common import add_image_workload_args, quiet_checkpoint, wall_step_clock
 from bench_vs_trl import _image_dataset
 
 # (mechanism, whether the runs train a LoRA adapter)
@@ -64,12 +64,7 @@ def _run(mechanism: str, on: bool, model_path: Path, dataset, tmp: Path, args, i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="small")
-    parser.add_argument("--generations", type=int, default=8)
-    parser.add_argument("--completion-length", type=int, default=32)
-    parser.add_argument("--image-size", type=int, default=448)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
+    add_image_workload_args(parser, repeats=3)
     parser.add_argument("--mechanisms", nargs="+", default=list(MECHANISMS), choices=list(MECHANISMS))
     parser.add_argument("--out", default="benchmarks/results/trl_defaults.json")
     args = parser.parse_args()

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_common import quiet_checkpoint, wall_step_clock
+from bench_common import add_image_workload_args, quiet_checkpoint, wall_step_clock
 
 
 def _image_dataset(num_prompts: int, size: int, seed: int = 0):
@@ -84,12 +84,7 @@ def _run(kind: str, model_path: Path, dataset, tmp: Path, args, index: int) -> d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="small")
-    parser.add_argument("--generations", type=int, default=8)
-    parser.add_argument("--completion-length", type=int, default=32)
-    parser.add_argument("--image-size", type=int, default=448)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=2)
+    add_image_workload_args(parser, repeats=2)
     parser.add_argument("--fp32", action="store_true", help="fp32 without gradient checkpointing for both")
     parser.add_argument("--compile-decode", action="store_true",
                         help="also run Rollplex with rollplex_compile_decode='on' (its compile is in the dropped first "
