@@ -23,6 +23,8 @@ with the ratios to the `hf` backend, and TRL's `step_time` metric (its `training
   step).
 
 The machine is shared and noisy, so the runs alternate: repeat 1 of every configuration, then repeat 2, ...
+Besides the ratio of the pooled medians (`x hf`) it reports each repeat's ratio to the `hf` run of the same repeat
+(`x hf per repeat`: median, min-max; `vs_hf_per_repeat` in the JSON), which says how far one ratio can be trusted.
 
 For the Megatron runs it also reports the live weight-sync bytes per optimizer step (`rollplex/sync_bytes_copied`,
 `rollplex/sync_bytes_aliased`) next to the sharding planner's numbers for the plan the mapping executes (t, r = 1,
@@ -208,16 +210,23 @@ def main() -> None:
                 row["plan"] = _plan_bytes(model_path, tp, views != "off")
             rows.append(row)
     base = next((r["step_s"] for r in rows if r["backend"] == "hf" and r["share_prefix"] == "off"), None)
-    default = next((r["step_s"] for r in rows if r["backend"] == "hf" and r["share_prefix"] != "off"), None)
+    default = next((r for r in rows if r["backend"] == "hf" and r["share_prefix"] != "off"), None)
     for row in rows:
         row["vs_hf_prefix_off"] = row["step_s"] / base if base else None
-        row["vs_hf"] = row["step_s"] / default if default else None
+        row["vs_hf"] = row["step_s"] / default["step_s"] if default else None
+        if default is not None:
+            # paired: each repeat's median step over the `hf` run's of the same repeat (the two ran minutes apart,
+            # so a slow hour of the shared machine moves both): the spread says how far one ratio can be trusted
+            paired = [statistics.median(mine["step_s"][1:]) / statistics.median(hf["step_s"][1:])
+                      for mine, hf in zip(results[row["run"]], results[default["run"]])]
+            row["vs_hf_per_repeat"] = paired
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"preset": args.preset, "steps": args.steps, "repeats": args.repeats, "G": args.G, "C": args.C,
             "cpus": os.cpu_count(), "precision": "bf16 autocast" if args.bf16 else "fp32"}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"{'run':<26} {'step s':>8} {'metric s':>9} {'decode s':>9} {'sync s':>7} {'x hf off':>9} {'x hf':>6} "
+          f"{'x hf per repeat (median, min-max)':>34} "
           f"{'copied MiB/sync':>16} "
           f"{'aliased MiB':>12} "
           f"{'plan copied':>12} {'plan aliased':>13}")
@@ -233,9 +242,15 @@ def main() -> None:
         def ratio(x):
             return "-" if x is None else f"{x:.2f}"
 
+        def paired_text(row):
+            paired = row.get("vs_hf_per_repeat")
+            if not paired:
+                return "-"
+            return f"{statistics.median(paired):.2f} ({min(paired):.2f}-{max(paired):.2f})"
+
         print(f"{row['run']:<26} {row['step_s']:>8.3f} {row['step_time_metric_s']:>9.3f} {sec(row['decode_s']):>9} "
               f"{sec(row['weight_sync_s']):>7} "
-              f"{ratio(row['vs_hf_prefix_off']):>9} {ratio(row['vs_hf']):>6} "
+              f"{ratio(row['vs_hf_prefix_off']):>9} {ratio(row['vs_hf']):>6} {paired_text(row):>34} "
               f"{mib(row.get('sync_bytes_copied')):>16} {mib(row.get('sync_bytes_aliased')):>12} "
               f"{mib(plan.get('copied')):>12} {mib(plan.get('aliased')):>13}")
     print(f"written: {out}")
