@@ -110,10 +110,10 @@ def test_a_failing_prefix_job_surfaces_with_its_traceback(tiny_qwen2_path, tmp_p
 
     monkeypatch.setattr(overlap_module, "precompute_prefix", broken_prefix)
     trainer = _text_trainer(tiny_qwen2_path, tmp_path)
-    start = time.perf_counter()
+    # surfaced as the job's own error, not after rollplex_overlap_timeout_s (600 s: that raises "did not finish
+    # within" instead); the message decides, not a wall-clock bound, which a loaded machine could break
     with pytest.raises(OverlapError, match="prefix job 'ref' failed: ValueError: boom") as info:
         trainer.train()
-    assert time.perf_counter() - start < 60
     assert isinstance(info.value.__cause__, ValueError)
     frames = []
     tb = info.value.__cause__.__traceback__
