@@ -21,6 +21,8 @@ with the ratios to the `hf` backend, and TRL's `step_time` metric (its `training
   step);
 - `megatron t=2, views`: `rollplex_weight_mapping="off"` (views of local shards, the rest all-gathered after each
   step).
+- `megatron t=2, vision replicated`: `rollplex_split_vision="off"` (every TP rank runs the vision tower on every
+  video; by default each runs it on its share of them).
 
 The machine is shared and noisy, so the runs alternate: repeat 1 of every configuration, then repeat 2, ...
 Besides the ratio of the pooled medians (`x hf`) it reports each repeat's ratio to the `hf` run of the same repeat
@@ -58,18 +60,22 @@ RUNS = [("hf, prefix off", "hf", 1, "off", "auto", "auto", "policy"),
         ("megatron t=2", "megatron", 2, "auto", "auto", "auto", "policy"),
         ("megatron t=2, own prefill", "megatron", 2, "auto", "auto", "auto", "rollout"),
         ("megatron t=2, copied rows", "megatron", 2, "auto", "auto", "off", "policy"),
-        ("megatron t=2, views", "megatron", 2, "auto", "off", "auto", "policy")]
+        ("megatron t=2, views", "megatron", 2, "auto", "off", "auto", "policy"),
+        ("megatron t=2, vision replicated", "megatron", 2, "auto", "auto", "auto", "policy")]
 
 
 def worker(argv: list[str]) -> None:
     """One training run (in a child process; under torchrun for t > 1); writes its step times and sync bytes."""
-    model_path, data, out, backend, tp, share, mapping, views, prefill, steps, G, C, precision = argv
+    model_path, data, out, backend, tp, share, mapping, views, prefill, steps, G, C, precision, frames, size = argv
     import torch
     from bench_common import wall_step_clock
 
     from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
     from rollplex_trl.data import accuracy_reward, format_reward, load_video_r1
 
+    split_vision = "auto"
+    if prefill.endswith("+replicated"):  # rollplex_split_vision="off": every TP rank runs the whole vision tower
+        prefill, split_vision = prefill.removesuffix("+replicated"), "off"
     if prefill == "rollout":  # the rollout model prefills, the decode window's job builds the actor's prefix
         from rollplex_trl.trainers.megatron import MegatronBackend
 
@@ -82,8 +88,9 @@ def worker(argv: list[str]) -> None:
         bf16=precision == "bf16", gradient_checkpointing=True,
         ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
         rollplex_backend=backend, rollplex_tensor_parallel_size=int(tp), rollplex_share_prefix=share,
-        rollplex_weight_mapping=mapping, rollplex_row_parallel_views=views,
-        rollplex_video_max_frames=4, rollplex_video_min_pixels=28 * 28 * 4, rollplex_video_max_pixels=56 * 56)
+        rollplex_weight_mapping=mapping, rollplex_row_parallel_views=views, rollplex_split_vision=split_vision,
+        rollplex_video_max_frames=int(frames), rollplex_video_min_pixels=28 * 28 * 4,
+        rollplex_video_max_pixels=int(size) ** 2)
     trainer = RollplexGRPOTrainer(model=model_path, reward_funcs=[accuracy_reward, format_reward], args=config,
                                   train_dataset=load_video_r1(data))
     clock = wall_step_clock()
@@ -112,8 +119,10 @@ def _port() -> int:
 def _run(model_path: Path, data: Path, tmp: Path, name: str, backend: str, tp: int, share: str, mapping: str,
          views: str, prefill: str, args) -> dict:
     out = tmp / name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "").replace("=", "")
+    if name.endswith("vision replicated"):
+        prefill += "+replicated"
     common = [str(model_path), str(data), str(out), backend, str(tp), share, mapping, views, prefill, str(args.steps),
-              str(args.G), str(args.C), "bf16" if args.bf16 else "fp32"]
+              str(args.G), str(args.C), "bf16" if args.bf16 else "fp32", str(args.frames), str(args.size)]
     threads = max(1, (os.cpu_count() or 2) // tp)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
     if tp > 1:
@@ -165,6 +174,8 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true",
                         help="TRL's default bf16 autocast for every run (default: fp32; gradient checkpointing is on "
                              "in both)")
+    parser.add_argument("--frames", type=int, default=4, help="frames per synthetic video clip")
+    parser.add_argument("--size", type=int, default=56, help="clip height and width in pixels (the pixel budget)")
     parser.add_argument("--runs", nargs="*", help="only these runs, by name (default: all)")
     parser.add_argument("--out", default="benchmarks/results/megatron.json")
     args = parser.parse_args()
@@ -178,8 +189,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        data = write_synthetic_video_dataset(tmp / "data", SyntheticVideoConfig(num_samples=16, seed=0, num_frames=4,
-                                                                                height=56, width=56, fps=2))
+        data = write_synthetic_video_dataset(tmp / "data", SyntheticVideoConfig(
+            num_samples=16, seed=0, num_frames=args.frames, height=args.size, width=args.size, fps=2))
         runs = [r for r in RUNS if r[2] <= args.max_tp and (not args.runs or r[0] in args.runs)]
         results: dict[str, list[dict]] = {r[0]: [] for r in runs}
         for repeat in range(args.repeats):  # alternating: a load spike hits one repeat of each, not one config
@@ -223,6 +234,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"preset": args.preset, "steps": args.steps, "repeats": args.repeats, "G": args.G, "C": args.C,
+            "frames": args.frames, "size": args.size,
             "cpus": os.cpu_count(), "precision": "bf16 autocast" if args.bf16 else "fp32"}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"{'run':<26} {'step s':>8} {'metric s':>9} {'decode s':>9} {'sync s':>7} {'x hf off':>9} {'x hf':>6} "

@@ -72,6 +72,10 @@ class RollplexGRPOConfig(GRPOConfig):
             on CPU, the transformers rollout runs once per TP group, on its first rank with the whole group's
             threads, instead of on every rank with its own (auto: where the group shares one host, without vLLM
             and without the concurrent overlap schedule).
+        rollplex_split_vision (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): on the Megatron backend at t > 1,
+            each TP rank runs the vision tower on its share of the batch's images and videos (the features
+            gathered, the tower's gradients summed over TP) instead of every rank running it on all of them
+            (auto: at t > 1 with a vision tower).
 
     Parameters that control video data (used when a dataset row has a `video` column):
         rollplex_video_fps (`float`, defaults to `2.0`): frames sampled per second of video (qwen-vl-utils' FPS).
@@ -265,6 +269,18 @@ class RollplexGRPOConfig(GRPOConfig):
             "choices": ["auto", "on", "off"],
         },
     )
+    rollplex_split_vision: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata={
+            "help": "With rollplex_backend='megatron' and t > 1: TP rank r runs the vision tower on items r, r + t, "
+            "... of the batch's images and videos, the features of all items are gathered over the TP group and "
+            "the tower's gradients summed over it once per optimizer step, instead of every rank running the "
+            "tower on every item (the replicated tower is most of a rank's prompt work for video at large t: "
+            "docs/megatron.md). The same numbers up to the order of the items' gradient sums. 'auto': at t > 1 "
+            "with a vision tower; 'on': refuse to start otherwise; 'off': the tower replicated.",
+            "choices": ["auto", "on", "off"],
+        },
+    )
     rollplex_video_fps: float = field(
         default=2.0, metadata={"help": "Frames sampled per second of video, as qwen-vl-utils does (FPS)."}
     )
@@ -370,6 +386,7 @@ _RULES: dict[str, _Rule] = {
     "rollplex_row_parallel_views": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
     "rollplex_shm_all_reduce": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
     "rollplex_pooled_rollout": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
+    "rollplex_split_vision": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
     "rollplex_video_fps": _Rule("float", "a finite number > 0", lambda v: v > 0),
     "rollplex_video_min_frames": _Rule("int", "an integer >= 1", lambda v: v >= 1),
     "rollplex_video_max_frames": _Rule(
@@ -455,6 +472,10 @@ def _validate(cfg: RollplexGRPOConfig) -> None:
     if cfg.rollplex_backend != "megatron" and cfg.rollplex_shm_all_reduce == "on":
         raise ValueError("rollplex_shm_all_reduce='on' needs rollplex_backend='megatron' (the 'hf' backend has no "
                          "tensor-parallel all-reduce)")
+    if cfg.rollplex_split_vision == "on" and (cfg.rollplex_backend != "megatron"
+                                              or cfg.rollplex_tensor_parallel_size == 1):
+        raise ValueError("rollplex_split_vision='on' needs rollplex_backend='megatron' with "
+                         "rollplex_tensor_parallel_size > 1 (it spreads the vision tower's items over the TP ranks)")
     if cfg.rollplex_backend != "megatron" and cfg.rollplex_pooled_rollout == "on":
         raise ValueError("rollplex_pooled_rollout='on' needs rollplex_backend='megatron' (the 'hf' backend's "
                          "processes each decode their own prompts)")

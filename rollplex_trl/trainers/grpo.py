@@ -217,6 +217,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
             row_parallel_views=self.rollplex["rollplex_row_parallel_views"],
             shm_all_reduce=self.rollplex["rollplex_shm_all_reduce"],
             pooled_rollout=self.rollplex["rollplex_pooled_rollout"], use_vllm=self.use_vllm,
+            split_vision=self.rollplex["rollplex_split_vision"],
             overlap=self.rollplex["rollplex_overlap"], activation_recompute=bool(self.args.gradient_checkpointing),
             seed=self.args.seed,
             record=lambda key, value: trl_compat.metrics(self, True)[key].append(value),

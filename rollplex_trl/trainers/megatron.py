@@ -120,7 +120,7 @@ class MegatronBackend:
                  seed: int, record: Callable[[str, float], None], is_main_process: bool,
                  weight_mapping: str = "auto", shm_all_reduce: str = "auto", pooled_rollout: str = "auto",
                  use_vllm: bool = False, overlap: str = "auto", row_parallel_views: str = "auto",
-                 activation_recompute: bool = False) -> None:
+                 activation_recompute: bool = False, split_vision: str = "auto") -> None:
         from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel
 
         self.groups = init_model_parallel(tensor_parallel_size)
@@ -148,11 +148,12 @@ class MegatronBackend:
                                                       log=is_main_process)
         self.all_reduce, all_reduce_note = self._route_all_reduce(shm_all_reduce, rollout_model.device)
         self.rollout_pool, pool_note = self._pool_rollout(pooled_rollout, rollout_model.device, use_vllm, overlap)
+        self.vision_split, vision_note = self._split_vision(split_vision)
         if is_main_process:
             logger.warning("rollplex: Megatron backend, t=%d, data-parallel %d; %s%s; TP all-reduce: %s; rollout: %s; "
-                           "activation recompute: %s", self.groups.tp_size, self.groups.dp_size, self.rollout.table(),
-                           f" (not mapped across processes: {not_mapped})" if not_mapped else "", all_reduce_note,
-                           pool_note, recompute_note)
+                           "activation recompute: %s; vision tower: %s", self.groups.tp_size, self.groups.dp_size,
+                           self.rollout.table(), f" (not mapped across processes: {not_mapped})" if not_mapped else "",
+                           all_reduce_note, pool_note, recompute_note, vision_note)
             if not_mapped is None:  # the plan it executes, by parameter kind (logged once)
                 logger.info("rollplex: the rollout weight-mapping plan\n%s", self.rollout.plan.format())
         self._reduced = False  # whether this optimizer step's gradients were averaged over DP already
@@ -239,6 +240,30 @@ class MegatronBackend:
         pool = PooledRollout(g.tp_group, g.tp_rank, g.tp_size)
         return pool, (f"the TP group's first rank decodes with {pool.pooled_threads} threads "
                       "(rollplex_pooled_rollout)")
+
+    def _split_vision(self, mode: str):
+        """The vision tower's items spread over the TP ranks (rollplex_split_vision; vision_split.py) where it
+        applies, on the policy and the reference; returns (the split or None, what the log says)."""
+        from rollplex_trl.backends.megatron.vision_split import VisionSplit
+
+        g = self.groups
+        reason = ("t = 1" if g.tp_size == 1 else "no vision tower" if self.policy.visual is None
+                  else "rollplex_split_vision='off'" if mode == "off" else None)
+        if reason is not None:
+            if mode == "on":
+                raise ValueError(f"rollplex_split_vision='on' cannot apply: {reason}; use 'auto' or 'off'")
+            return None, f"replicated on every TP rank ({reason})"
+        if self.all_reduce is not None:
+            all_reduce = self.all_reduce
+        else:
+            def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+                torch.distributed.all_reduce(tensor, group=g.tp_group)
+                return tensor
+        split = VisionSplit(tp_rank=g.tp_rank, tp_size=g.tp_size, all_reduce=all_reduce)
+        for model in (self.policy, self.ref):
+            if model is not None:
+                model.vision_split = split
+        return split, f"items split over the {g.tp_size} TP ranks (rollplex_split_vision)"
 
     def _train_param(self, group, spec_index: int, name: str) -> nn.Parameter:
         if name.startswith("visual."):
@@ -335,6 +360,10 @@ class MegatronBackend:
 
         params = [p for _, p in self.trainable()]
         if not self._reduced:
+            if self.vision_split is not None:  # each rank's tower gradients hold its own items: add them over TP
+                from rollplex_trl.backends.megatron.vision_split import sum_vision_gradients
+
+                sum_vision_gradients(self.policy.visual.parameters(), self.vision_split, self.groups.tp_group)
             average_data_parallel_gradients(params, self.groups)
             share_replicated_gradients(params, self.groups)  # replicas step alike whatever the kernels rounded
             self._reduced = True

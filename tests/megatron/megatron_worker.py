@@ -220,6 +220,67 @@ def equivalence_checks(path, t: int, record) -> None:
                                                                           for k in range(t)], -1)))
 
 
+def _first_row(batch: dict) -> dict:
+    """The batch's first row alone: one video item (its pixel rows and grid row)."""
+    grid = batch["video_grid_thw"][:1]
+    out = {k: (v[:1] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.size(0) == 2 else v)
+           for k, v in batch.items()}
+    out["video_grid_thw"] = grid
+    out["pixel_values_videos"] = batch["pixel_values_videos"][:int(grid.prod())]
+    return out
+
+
+def vision_split_checks(path, t: int, record) -> None:
+    """rollplex_split_vision at TP = t: each rank runs the vision tower on its items only (counted), the features
+    are gathered over TP, and after sum_vision_gradients the tower's gradients (and the LLM's) equal the HF model's
+    full backward; also with fewer items than ranks (one video: the last rank runs no tower at all)."""
+    from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel
+    from rollplex_trl.backends.megatron.vision_split import VisionSplit, sum_vision_gradients
+    from rollplex_trl.backends.megatron.weights import megatron_state
+
+    groups = init_model_parallel(t)
+
+    def all_reduce(x):
+        dist.all_reduce(x, group=groups.tp_group)
+        return x
+
+    for label, select in (("two items", lambda b: b), ("one item", _first_row)):
+        hf = load_hf(path)
+        batch = select(video_batch(path))
+        ref_logps, ref_ent = hf_logps(hf, batch)
+        loss_of(ref_logps, ref_ent, batch).backward()
+        hf_grads = {n: p.grad.detach().clone() for n, p in hf.named_parameters() if p.grad is not None}
+        hf.zero_grad(set_to_none=True)
+        policy = MegatronPolicy(hf, groups)
+        policy.vision_split = VisionSplit(tp_rank=groups.tp_rank, tp_size=t, all_reduce=all_reduce)
+        seen: list = []
+        hook = policy.visual.register_forward_pre_hook(
+            lambda _m, args, kwargs, seen=seen: seen.append(kwargs["grid_thw"].tolist()), with_kwargs=True)
+        logps, ent = policy_logps(policy, batch)
+        hook.remove()
+        loss_of(logps, ent, batch).backward()
+        items = batch["video_grid_thw"].tolist()
+        mine = items[groups.tp_rank::t]
+        record(f"split vision ({label}): the tower ran on this rank's items only",
+               seen == ([mine] if mine else []), f"ran {seen}, items {items}")
+        had_grads = any(p.grad is not None for p in policy.visual.parameters())
+        sum_vision_gradients(policy.visual.parameters(), policy.vision_split, groups.tp_group)
+        diff = (logps - ref_logps).abs().max().item()
+        record(f"split vision ({label}): logps", diff <= LOGP_TOL, "", diff)
+        worst, bad = 0.0, []
+        for name, p in policy.visual.named_parameters():
+            err = rel_err(p.grad, hf_grads[f"model.visual.{name}"]) if p.grad is not None else float("inf")
+            worst = max(worst, err)
+            if err > GRAD_RTOL:
+                bad.append(f"{name}: {err:.2e}")
+        record(f"split vision ({label}): vision tower grads == HF grads after the TP sum",
+               not bad and had_grads == bool(mine), f"had grads before the sum: {had_grads}; " + "; ".join(bad[:4]),
+               worst)
+        want = megatron_state(policy.spec, policy.options, groups.tp_rank, hf_grads)
+        worst = max(rel_err(p.grad, want[n].view_as(p.grad)) for n, p in policy.gpt.named_parameters())
+        record(f"split vision ({label}): LLM grads == HF grads", worst <= GRAD_RTOL, "", worst)
+
+
 def kv_replication_checks(path, t: int, record) -> None:
     """One KV head at t = 2: Megatron replicates the KV group on both ranks (its all-gather path runs, and the clip
     norm must count the replicated k/v rows once)."""
@@ -294,6 +355,7 @@ def main(rank: int, world: int, port: int, path: str, out_dir: str) -> None:
     try:
         case = "t2"
         equivalence_checks(path, world, record)
+        vision_split_checks(path, world, record)
         kv_replication_checks(path, world, record)
         parallel_state.destroy_model_parallel()  # tests only: one grid per process otherwise
         case = "dp2"

@@ -161,3 +161,16 @@ def test_vllm_server_mode_is_refused_colocate_is_not():
     with pytest.raises(ValueError, match="vllm_mode='server'.*use vllm_mode='colocate'"):
         refuse_megatron_setup(config(vllm_mode="server"), peft_config=None, world_size=1, train_dataset=[])
     refuse_megatron_setup(config(vllm_mode="colocate"), peft_config=None, world_size=1, train_dataset=[])
+
+
+def test_split_vision_refusals(one_process, tiny_vl_path):
+    """rollplex_split_vision='on' where it cannot apply is refused with the reason (t = 1 here: nothing to split
+    over); auto leaves the tower replicated."""
+    from rollplex_trl import RollplexGRPOConfig
+
+    with pytest.raises(ValueError, match="rollplex_split_vision='on' needs rollplex_backend='megatron' with"):
+        RollplexGRPOConfig(output_dir="/tmp/unused", rollplex_split_vision="on", report_to=[], use_cpu=True)
+    with pytest.raises(ValueError, match=r"rollplex_split_vision='on' cannot apply: t = 1"):
+        _backend(tiny_vl_path, split_vision="on")
+    backend, _, _ = _backend(tiny_vl_path, split_vision="auto")
+    assert backend.vision_split is None and backend.policy.vision_split is None

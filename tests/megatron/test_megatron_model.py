@@ -52,9 +52,12 @@ def two_ranks(tiny_vl_path, tmp_path_factory):
 
 KV_CHECKS = ["kv replicated: logps and entropies", "kv replicated: grads",
              "kv replicated: grad norm counts k/v rows once", "kv replicated: round trip"]
+SPLIT_CHECKS = [f"split vision ({label}): {check}" for label in ("two items", "one item")
+                for check in ("the tower ran on this rank's items only", "logps",
+                              "vision tower grads == HF grads after the TP sum", "LLM grads == HF grads")]
 
 
-@pytest.mark.parametrize("check", CHECKS + ["megatron all-gather on CPU"] + KV_CHECKS)
+@pytest.mark.parametrize("check", CHECKS + ["megatron all-gather on CPU"] + KV_CHECKS + SPLIT_CHECKS)
 def test_tensor_parallel_2_matches_hf(two_ranks, check):
     mine = _assert_records(two_ranks, "t2", check)
     assert {r["rank"] for r in mine} == {0, 1}

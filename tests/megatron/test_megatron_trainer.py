@@ -137,6 +137,8 @@ def test_tensor_parallel_2_learns_what_hf_learns(tiny_vl_path, tmp_path):
     for rank, result in enumerate(ranks):
         _check_mapped_across_processes(result, rank)
     _prefilled_by_the_policy([*ranks, *recomputed, *views], windows=len(generation_steps))
+    # rollplex_split_vision (auto: on at t = 2): each rank's tower ran on one of the two prompts' videos per call
+    assert all(r["split_vision"] and r["tower_items"] and set(r["tower_items"]) == {1} for r in ranks)
 
 
 def _check_mapped_across_processes(result: dict, rank: int, split_k: bool = True) -> None:

@@ -83,6 +83,10 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         torch.save(initial, Path(out) / f"{tag}-rank{rank}-initial.pt")
     casts = _count_rollout_weight_casts(trainer) if bf16 and backend == "megatron" else None
     prefills = _count_prefix_passes() if backend == "megatron" else None
+    tower_items: list[int] = []  # items (grid rows) per call of the trained vision tower (rollplex_split_vision)
+    if backend == "megatron" and trainer.megatron.policy.visual is not None:
+        trainer.megatron.policy.visual.register_forward_pre_hook(
+            lambda _m, args, kwargs: tower_items.append(len(kwargs["grid_thw"])), with_kwargs=True)
     if resume:
         import torch.distributed as dist
 
@@ -116,6 +120,8 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         if casts is not None:
             result["rollout_weight_casts"] = casts
         result["prefix_passes"] = prefills
+        result["split_vision"] = trainer.megatron.vision_split is not None
+        result["tower_items"] = tower_items
         result["rollout_frozen"] = not any(p.requires_grad for p in model.parameters())
     Path(out, f"{tag}-rank{rank}.json").write_text(json.dumps(result))
     import torch.distributed as dist

@@ -21,6 +21,7 @@ import rollplex_trl.megatron_compat as compat
 from rollplex_trl.backends.megatron import weights
 from rollplex_trl.backends.megatron.logprobs import vocab_parallel_logps
 from rollplex_trl.backends.megatron.parallel import ParallelGroups
+from rollplex_trl.backends.megatron.vision_split import VisionSplit, split_vision_features
 
 
 def _check_splits(text, t: int, where: str) -> None:
@@ -103,6 +104,8 @@ class MegatronPolicy(nn.Module):
         # The HF backbone is kept (unregistered) for its get_rope_index, which reads only its config.
         object.__setattr__(self, "_backbone", hf_model.model if self.is_vl else None)
         self.visual = hf_model.model.visual if self.is_vl else None
+        # set by the trainer (rollplex_split_vision): the tower's items spread over the TP ranks (vision_split.py)
+        self.vision_split: VisionSplit | None = None
         self.image_token_id = getattr(config, "image_token_id", None)
         self.video_token_id = getattr(config, "video_token_id", None)
 
@@ -185,8 +188,12 @@ class MegatronPolicy(nn.Module):
                                        (pixel_values_videos, video_grid_thw, self.video_token_id)):
             if pixels is None:
                 continue
-            # = Qwen2_5_VLModel.get_image_features / get_video_features, then torch.cat of their per-item split
-            feats = self.visual(pixels.type(self.visual.dtype), grid_thw=grid).pooler_output
+            if self.vision_split is not None:  # this rank's items only, the features gathered over TP
+                feats = split_vision_features(self.visual, pixels, grid, self.vision_split, dtype=embeds.dtype,
+                                              hidden=embeds.shape[-1])
+            else:
+                # = Qwen2_5_VLModel.get_image_features / get_video_features, then torch.cat of their per-item split
+                feats = self.visual(pixels.type(self.visual.dtype), grid_thw=grid).pooler_output
             feats = feats.to(embeds.device, embeds.dtype)
             mask = (input_ids == token_id).unsqueeze(-1)
             if int(mask.sum()) * embeds.shape[-1] != feats.numel():
