@@ -103,6 +103,18 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got - want).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
+def vision_grad_errors(visual, hf_grads: dict) -> tuple[float, list[str]]:
+    """The vision tower's gradients against the HF model's (``model.visual.*``): the worst relative error and the
+    tensors beyond GRAD_RTOL (a missing gradient counts as infinitely wrong)."""
+    worst, bad = 0.0, []
+    for name, p in visual.named_parameters():
+        err = rel_err(p.grad, hf_grads[f"model.visual.{name}"]) if p.grad is not None else float("inf")
+        worst = max(worst, err)
+        if err > GRAD_RTOL:
+            bad.append(f"{name}: {err:.2e}")
+    return worst, bad
+
+
 # ------------------------------------------------------------------------------------------------ the checks
 def equivalence_checks(path, t: int, record) -> None:
     """MegatronPolicy at TP = t vs the HF model: log-probs, entropies, gradients, weights, clipping, weight sync."""
@@ -143,12 +155,7 @@ def equivalence_checks(path, t: int, record) -> None:
         if err > GRAD_RTOL:
             bad.append(f"{name}: {err:.2e}")
     record("megatron grads == HF grads in this rank's layout", not bad, "; ".join(bad[:4]), worst)
-    worst, bad = 0.0, []
-    for name, p in policy.visual.named_parameters():
-        err = rel_err(p.grad, hf_grads[f"model.visual.{name}"]) if p.grad is not None else float("inf")
-        worst = max(worst, err)
-        if err > GRAD_RTOL:
-            bad.append(f"{name}: {err:.2e}")
+    worst, bad = vision_grad_errors(policy.visual, hf_grads)
     record("vision tower grads == HF grads", not bad, "; ".join(bad[:4]), worst)
 
     # clipping: the TP-aware norm equals torch's over the full HF gradients, and clips the same way
@@ -267,12 +274,7 @@ def vision_split_checks(path, t: int, record) -> None:
         sum_vision_gradients(policy.visual.parameters(), policy.vision_split, groups.tp_group)
         diff = (logps - ref_logps).abs().max().item()
         record(f"split vision ({label}): logps", diff <= LOGP_TOL, "", diff)
-        worst, bad = 0.0, []
-        for name, p in policy.visual.named_parameters():
-            err = rel_err(p.grad, hf_grads[f"model.visual.{name}"]) if p.grad is not None else float("inf")
-            worst = max(worst, err)
-            if err > GRAD_RTOL:
-                bad.append(f"{name}: {err:.2e}")
+        worst, bad = vision_grad_errors(policy.visual, hf_grads)
         record(f"split vision ({label}): vision tower grads == HF grads after the TP sum",
                not bad and had_grads == bool(mine), f"had grads before the sum: {had_grads}; " + "; ".join(bad[:4]),
                worst)
