@@ -356,14 +356,13 @@ class MegatronBackend:
             average_data_parallel_gradients,
             clip_grad_norm_tensor_parallel,
             share_replicated_gradients,
+            sum_vision_gradients,
         )
 
         params = [p for _, p in self.trainable()]
         if not self._reduced:
             if self.vision_split is not None:  # each rank's tower gradients hold its own items: add them over TP
-                from rollplex_trl.backends.megatron.vision_split import sum_vision_gradients
-
-                sum_vision_gradients(self.policy.visual.parameters(), self.vision_split, self.groups.tp_group)
+                sum_vision_gradients(self.policy.visual.parameters(), self.groups, self.vision_split.all_reduce)
             average_data_parallel_gradients(params, self.groups)
             share_replicated_gradients(params, self.groups)  # replicas step alike whatever the kernels rounded
             self._reduced = True

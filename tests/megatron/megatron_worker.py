@@ -241,8 +241,8 @@ def vision_split_checks(path, t: int, record) -> None:
     """rollplex_split_vision at TP = t: each rank runs the vision tower on its items only (counted), the features
     are gathered over TP, and after sum_vision_gradients the tower's gradients (and the LLM's) equal the HF model's
     full backward; also with fewer items than ranks (one video: the last rank runs no tower at all)."""
-    from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel
-    from rollplex_trl.backends.megatron.vision_split import VisionSplit, sum_vision_gradients
+    from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel, sum_vision_gradients
+    from rollplex_trl.backends.megatron.vision_split import VisionSplit
     from rollplex_trl.backends.megatron.weights import megatron_state
 
     groups = init_model_parallel(t)
@@ -271,7 +271,7 @@ def vision_split_checks(path, t: int, record) -> None:
         record(f"split vision ({label}): the tower ran on this rank's items only",
                seen == ([mine] if mine else []), f"ran {seen}, items {items}")
         had_grads = any(p.grad is not None for p in policy.visual.parameters())
-        sum_vision_gradients(policy.visual.parameters(), policy.vision_split, groups.tp_group)
+        sum_vision_gradients(policy.visual.parameters(), groups, all_reduce)
         diff = (logps - ref_logps).abs().max().item()
         record(f"split vision ({label}): logps", diff <= LOGP_TOL, "", diff)
         worst, bad = vision_grad_errors(policy.visual, hf_grads)

@@ -234,3 +234,15 @@ def test_tied_embeddings(one_process, tiny_qwen2_path):
     sd = policy.hf_state_dict()
     assert sd.keys() == dict(hf.named_parameters()).keys()
     assert all(torch.equal(sd[n], p) for n, p in hf.named_parameters())
+
+
+def test_split_vision_names_pixel_rows_that_disagree_with_the_grid():
+    """Before any collective: pixel rows that do not match grid_thw would make every rank slice wrong rows."""
+    from rollplex_trl.backends.megatron.vision_split import VisionSplit, split_vision_features
+
+    visual = torch.nn.Module()
+    split = VisionSplit(tp_rank=0, tp_size=2, all_reduce=lambda x: x)
+    with pytest.raises(ValueError, match=r"grid_thw rows \[\[2, 4, 4\]\] describe 32 patch rows, the pixel values "
+                                         r"have 30"):
+        split_vision_features(visual, torch.zeros(30, 8), torch.tensor([[2, 4, 4]]), split,
+                              dtype=torch.float32, hidden=16)

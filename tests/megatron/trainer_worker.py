@@ -16,11 +16,13 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     colocate mode through the trainer's real vLLM path, with the main suite's stand-in engine: a sampler holding its
     own copy of the weights, synced from the transformers model), "gloo" (rollplex_shm_all_reduce="off": the TP
     all-reduces over gloo), "allranks" (rollplex_pooled_rollout="off": every TP rank decodes), "copyrows"
-    (rollplex_row_parallel_views="off": the row-parallel weights copied after each step, not read in place).
+    (rollplex_row_parallel_views="off": the row-parallel weights copied after each step, not read in place),
+    "replicated" (rollplex_split_vision="off": every TP rank runs the vision tower on every video).
     Several join with "+" (e.g. "bf16+views"). The Megatron runs pin rollplex_weight_mapping ("on", or "off" with
     "views"), rollplex_row_parallel_views ("on", or "off" with "copyrows", "views" or "vllm") and, at t > 1,
-    rollplex_shm_all_reduce ("on", or "off" with "gloo") and rollplex_pooled_rollout ("on", or "off" with
-    "allranks", "overlap" or "vllm", where it cannot run): never an auto decision."""
+    rollplex_shm_all_reduce ("on", or "off" with "gloo"), rollplex_pooled_rollout ("on", or "off" with
+    "allranks", "overlap" or "vllm", where it cannot run) and rollplex_split_vision ("on", or "off" with
+    "replicated"): never an auto decision."""
     sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..")]
     import torch
     from datasets import Dataset
@@ -70,6 +72,7 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         rollplex_row_parallel_views="off" if flags & {"copyrows", "views", "vllm"} or backend != "megatron" else "on",
         rollplex_shm_all_reduce="off" if "gloo" in flags or tp == 1 else "on",
         rollplex_pooled_rollout="off" if flags & {"allranks", "overlap", "vllm"} or tp == 1 else "on",
+        rollplex_split_vision="off" if "replicated" in flags or tp == 1 or backend != "megatron" else "on",
         use_vllm=vllm, vllm_mode="colocate",
         # the hf backend's suffix with the prompt's K/V concatenated, as the Megatron backend's core attention does:
         # under bf16 the two backends then round the same sums alike (cascade's kernels round differently: bf16 step

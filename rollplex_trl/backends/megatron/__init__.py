@@ -9,6 +9,7 @@ from rollplex_trl.backends.megatron.grads import (
     average_data_parallel_gradients,
     clip_grad_norm_tensor_parallel,
     share_replicated_gradients,
+    sum_vision_gradients,
 )
 from rollplex_trl.backends.megatron.logprobs import vocab_parallel_logps
 from rollplex_trl.backends.megatron.model import MegatronPolicy
@@ -22,5 +23,6 @@ __all__ = [
     "init_model_parallel",
     "release_model_parallel",
     "share_replicated_gradients",
+    "sum_vision_gradients",
     "vocab_parallel_logps",
 ]

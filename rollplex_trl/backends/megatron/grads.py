@@ -3,12 +3,13 @@
 Within a TP group, a parameter megatron marks ``tensor_model_parallel=True`` holds a different shard on every rank
 (except rows MegatronPolicy marks ``rollplex_tp_duplicate_rows``: KV groups replicated over ranks); every other
 parameter (norms, biases of row-parallel layers, the replicated vision tower) is replicated and, after
-Megatron's own all-reduces in backward, has the same gradient on every rank of the group.
+Megatron's own all-reduces in backward, has the same gradient on every rank of the group; with the vision tower's
+items split over the TP ranks (rollplex_split_vision) its gradients are summed over TP first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,18 @@ def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Te
     return out
 
 
+def _in_flat_buckets(grads: list[torch.Tensor], collective: Callable[[torch.Tensor], object],
+                     bucket_bytes: int) -> None:
+    """Run an in-place ``collective`` on the gradients, one flattened bucket at a time, and write the result back."""
+    for bucket in _buckets(grads, bucket_bytes):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        collective(flat)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
 @torch.no_grad()
 def average_data_parallel_gradients(params: Iterable[torch.nn.Parameter], groups: ParallelGroups,
                                     bucket_bytes: int = BUCKET_BYTES) -> None:
@@ -46,15 +59,11 @@ def average_data_parallel_gradients(params: Iterable[torch.nn.Parameter], groups
     """
     if groups.dp_size == 1:
         return
-    grads = [p.grad for p in params if p.grad is not None]
-    for bucket in _buckets(grads, bucket_bytes):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
+    def average(flat: torch.Tensor) -> None:
         dist.all_reduce(flat, group=groups.dp_group)
         flat /= groups.dp_size
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+
+    _in_flat_buckets([p.grad for p in params if p.grad is not None], average, bucket_bytes)
 
 
 @torch.no_grad()
@@ -72,13 +81,27 @@ def share_replicated_gradients(params: Iterable[torch.nn.Parameter], groups: Par
         return
     grads = [p.grad for p in params if p.grad is not None and not getattr(p, "tensor_model_parallel", False)]
     source = dist.get_global_rank(groups.tp_group, 0)
-    for bucket in _buckets(grads, bucket_bytes):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.broadcast(flat, src=source, group=groups.tp_group)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+    _in_flat_buckets(grads, lambda flat: dist.broadcast(flat, src=source, group=groups.tp_group), bucket_bytes)
+
+
+@torch.no_grad()
+def sum_vision_gradients(params: Iterable[torch.nn.Parameter], groups: ParallelGroups,
+                         all_reduce: Callable[[torch.Tensor], torch.Tensor],
+                         bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Add the vision tower's gradients over the TP group, where each rank's hold only its own items'
+    contributions (rollplex_split_vision, vision_split.py); ``all_reduce`` is the group's in-place sum. A parameter
+    no rank has a gradient for keeps none (as with the replicated tower: AdamW skips it); one that only some ranks
+    have gets zeros on the others first. Call once per optimizer step, before the replicated gradients are shared."""
+    params = list(params)
+    if groups.tp_size == 1 or not params:
+        return
+    present = torch.tensor([float(p.grad is not None) for p in params])
+    dist.all_reduce(present, group=groups.tp_group)
+    summed = [p for p, n in zip(params, present.tolist()) if n > 0]
+    for p in summed:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    _in_flat_buckets([p.grad for p in summed], all_reduce, bucket_bytes)
 
 
 @torch.no_grad()

@@ -10,8 +10,8 @@ How (`rollplex_split_vision`): TP rank r runs the tower on items r, r + t, r + 2
 TP group as a sum of zero-padded buffers (exact: x + 0 = x), in the original item order. In the backward each rank
 keeps its items' rows of the features' gradient: that gradient is the same on every rank, because the decoder's
 input is replicated and megatron all-reduces every gradient that reaches it. The tower's parameter gradients then
-hold this rank's items only; `sum_vision_gradients` adds them over the TP group once per optimizer step, before the
-replicated gradients are shared and clipped (`MegatronBackend.grad_norm`).
+hold this rank's items only; `grads.sum_vision_gradients` adds them over the TP group once per optimizer step, before
+the replicated gradients are shared and clipped (`MegatronBackend.grad_norm`).
 
 Exact up to rounding: the tower computes each item on its own (attention within the item, everything else row by
 row), so only the order in which the items' gradient contributions are summed changes.
@@ -19,14 +19,11 @@ row), so only the order in which the items' gradient contributions are summed ch
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
-
-from rollplex_trl.backends.megatron.grads import BUCKET_BYTES, _buckets
 
 
 @dataclass(frozen=True)
@@ -73,6 +70,9 @@ def split_vision_features(visual: nn.Module, pixels: torch.Tensor, grid: torch.T
     feature rows, both in item order."""
     merge = int(getattr(visual, "spatial_merge_size", 2))
     patches = grid.prod(-1).cpu()
+    if int(patches.sum()) != pixels.size(0):  # every rank would slice the wrong rows: say which tensors disagree
+        raise ValueError(f"the vision inputs disagree: the grid_thw rows {grid.tolist()} describe {int(patches.sum())} "
+                         f"patch rows, the pixel values have {pixels.size(0)}; pass each item's pixel rows in order")
     features = patches // merge**2
     pixel_starts = torch.cumsum(patches, 0) - patches
     feature_starts = torch.cumsum(features, 0) - features
@@ -84,27 +84,3 @@ def split_vision_features(visual: nn.Module, pixels: torch.Tensor, grid: torch.T
     else:  # fewer items than ranks: nothing to run here, the peers' rows arrive through the sum
         local = torch.zeros(0, hidden, dtype=dtype, device=pixels.device)
     return _GatherItems.apply(local, rows, int(features.sum()), split.all_reduce)
-
-
-@torch.no_grad()
-def sum_vision_gradients(params: Iterable[nn.Parameter], split: VisionSplit,
-                         tp_group: dist.ProcessGroup | None) -> None:
-    """Add the tower's gradients over the TP group (each rank's hold its own items' contributions). A parameter no
-    rank has a gradient for keeps none (as with the replicated tower: AdamW skips it); one that only some ranks
-    have gets zeros on the others first. A collective over the TP group."""
-    params = list(params)
-    if split.tp_size == 1 or not params:
-        return
-    present = torch.tensor([float(p.grad is not None) for p in params])
-    dist.all_reduce(present, group=tp_group)
-    summed = [p for p, n in zip(params, present.tolist()) if n > 0]
-    for p in summed:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    for bucket in _buckets([p.grad for p in summed], BUCKET_BYTES):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        split.all_reduce(flat)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
