@@ -31,7 +31,9 @@ NEG_INF = float("-inf")
 class RowGroups:
     """Where each prompt's rows are: the layout the prefix part batches its queries in.
 
-    rows: (U, Gmax) row indices of each prompt's rows (batch order kept; padded slots repeat a valid row);
+    rows: (U, Gmax) row indices of each prompt's rows (batch order kept; padded slots repeat row 0, which may
+        belong to another prompt or, for a prompt with no rows, to none: their results are dropped, and the
+        backward gives them no weight);
     valid: (U, Gmax) which slots are real, None when every prompt has Gmax rows;
     inverse: (R,) the slot of each row in the flattened (U*Gmax) layout;
     contiguous: rows are already [prompt 0's G rows, prompt 1's G rows, ...] (TRL's order): no gather needed.
@@ -284,16 +286,21 @@ class _CausalCascade(torch.autograd.Function):
         hkv = prefix_k.size(1)
         rep = H // hkv
         grad_out = grad_out.contiguous().to(q.dtype)
-        # prefix part: padded slots (unequal groups) repeat a real row; a zero output gradient keeps them out
+        # prefix part. Padded slots (unequal groups, or a prompt with no row in this call: an accumulation window's
+        # prefix serves each micro-batch a subset of its prompts) hold some other row's query, output and MERGED
+        # log-sum-exp, which belongs to that row's own prompt, not to this one: exp(S - lse) can overflow there
+        # (inf x a zero gradient = NaN). A padded slot is no query at all: zero output gradient and lse = +inf, so
+        # its probabilities exp(S - inf) are exactly 0 and it adds nothing to the prompt's K/V gradient.
         g_p = _to_prompt_major(grad_out, groups, hkv)
+        lse_p = _to_prompt_major(lse, groups, hkv)
         if groups.valid is not None:
             U, g_max = groups.valid.shape
-            slot = groups.valid.to(g_p.dtype).view(U, 1, g_max, 1, 1, 1)
-            g_p = (g_p.view(U, hkv, g_max, rep, Q, D) * slot).reshape(g_p.shape)
+            padded = ~groups.valid.view(U, 1, g_max, 1, 1, 1)
+            g_p = g_p.view(U, hkv, g_max, rep, Q, D).masked_fill(padded, 0.0).reshape(g_p.shape)
+            lse_p = lse_p.view(U, hkv, g_max, rep, Q, 1).masked_fill(padded, float("inf")).reshape(lse_p.shape)
         dq_p, dk_p, dv_p = _flash_backward(g_p, _to_prompt_major(q, groups, hkv), prefix_k, prefix_v,
-                                           _to_prompt_major(out, groups, hkv),
-                                           _to_prompt_major(lse, groups, hkv).squeeze(-1).contiguous(), 0.0, False,
-                                           attn_mask=prefix_bias, scale=scale)
+                                           _to_prompt_major(out, groups, hkv), lse_p.squeeze(-1).contiguous(), 0.0,
+                                           False, attn_mask=prefix_bias, scale=scale)
         k_s = suffix_k.repeat_interleave(rep, dim=1) if rep > 1 else suffix_k
         v_s = suffix_v.repeat_interleave(rep, dim=1) if rep > 1 else suffix_v
         dq_s, dk_s, dv_s = _flash_backward(grad_out, q, k_s, v_s, out, lse.squeeze(-1).contiguous(), 0.0, True,

@@ -181,3 +181,103 @@ def test_mode_decision(tiny_qwen2_path):
     assert suffix_attention_mode("auto", model, torch.device("cpu"))[0] == "concat"
     with pytest.raises(ValueError, match="must be one of"):
         suffix_attention_mode("fast", model, torch.device("cpu"))
+
+
+# ---- degenerate batches and peaked attention (the NaN of issue 31) ------------------------------------------------
+
+
+@pytest.mark.parametrize("counts", [(3, 0), (0, 2), (3, 1), (1, 0, 2)])
+def test_padded_slots_get_no_weight_under_peaked_scores(counts):
+    """A prompt with fewer rows than the largest group (or none: an accumulation window's prefix serves each
+    micro-batch a subset of its prompts) is padded with another row's query, output and merged log-sum-exp. Its
+    backward must give those slots no weight: before the fix the prefix half's backward got the other prompt's lse,
+    exp(S - lse) overflowed on peaked scores and inf x 0 made the prompt keys' gradient NaN (lr 0.1 training)."""
+    torch.manual_seed(1)
+    U, H, Hkv, P, Q, D = len(counts), 4, 2, 5, 6, 16
+    rows = torch.cat([torch.full((c,), u) for u, c in enumerate(counts)])
+    R = rows.numel()
+    peaked = 6.0  # scores of ~30-80, as a collapsing policy's attention has
+    shapes = ((R, H, Q, D), (U, Hkv, P, D), (U, Hkv, P, D), (R, Hkv, Q, D), (R, Hkv, Q, D))
+    tensors = [(torch.randn(*shape) * (peaked if i in (0, 1, 3) else 1.0)).requires_grad_() for i, shape in
+               enumerate(shapes)]
+    with torch.no_grad():  # padded slots repeat row 0: keys along its queries make their scores dwarf its own lse
+        for u, c in enumerate(counts):
+            if c < max(counts):
+                tensors[1][u] = tensors[0][0, ::H // Hkv, :1].detach() * 3
+    prompt_mask = torch.ones(U, P, dtype=torch.bool)
+    prompt_mask[-1, :2] = False
+    weights = torch.randn(R, H, Q, D)
+    causal = torch.tril(torch.ones(Q, Q, dtype=torch.bool)).view(1, 1, Q, Q)
+    ref = reference_attention(*tensors[:3], prompt_mask, rows, *tensors[3:], causal, D ** -0.5)
+    ref_grads = torch.autograd.grad((ref * weights).sum(), tensors)
+    out = causal_cascade_attention(*tensors[:3], prompt_mask, group_rows(rows, U), *tensors[3:], D ** -0.5)
+    grads = torch.autograd.grad((out * weights).sum(), tensors)
+    assert max_diff(out, ref) <= 1e-4
+    for name, g, r in zip(("q", "prefix_k", "prefix_v", "suffix_k", "suffix_v"), grads, ref_grads):
+        assert torch.isfinite(g).all(), name
+        assert ((g - r).abs().max() / r.abs().max().clamp(min=1e-30)).item() <= 1e-4, name
+    for u, c in enumerate(counts):
+        if c == 0:  # a prompt no row attends to gets no gradient at all
+            assert grads[1][u].abs().max() == 0 and grads[2][u].abs().max() == 0
+
+
+def _degenerate(b, case):
+    """`b` with its completions replaced: one token each, the full width for every row, rows of padding only,
+    or nothing but padding (every completion empty)."""
+    R, C = b.completion_ids.shape
+    ids, mask = b.completion_ids.clone(), torch.ones_like(b.completion_mask)
+    if case == "one_token":
+        ids, mask = ids[:, :1], mask[:, :1]
+    elif case == "padding_rows":
+        mask = b.completion_mask.clone()
+        mask[1::3] = 0
+    elif case == "all_padding":
+        mask = torch.zeros_like(mask)
+    ids = ids.masked_fill(mask == 0, 0)
+    return type(b)(b.prompt_ids, b.prompt_mask, b.mm_token_type_ids, b.per_prompt_vision, ids, mask, b.row_to_prompt)
+
+
+def _sharpen_attention(model, factor):
+    """Scale every q/k projection: scores grow by factor**2 (a collapsed policy's peaked attention)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "language_model" in name or "visual" not in name:
+                if ".q_proj." in name or ".k_proj." in name:
+                    p.mul_(factor)
+
+
+@pytest.mark.parametrize("case", ["one_token", "full_length", "padding_rows", "all_padding"])
+@pytest.mark.parametrize("subset", [False, True])
+def test_degenerate_completions_match_concat_and_full_forward(tiny_qwen2_path, tokenizer, case, subset):
+    """Cascade vs the concatenated path vs the full forward, log-probs and every gradient, on degenerate
+    completions with peaked attention, under gradient checkpointing. `subset`: the micro-batch holds the rows of
+    some of the prefix's prompts only (as under gradient accumulation), the case that made NaN."""
+    b = _degenerate(text_batch(tokenizer, G=3), case)
+    model = load_qwen2(tiny_qwen2_path, "sdpa", checkpointing=True).train()
+    _sharpen_attention(model, 12.0)
+    rows = torch.nonzero(b.row_to_prompt == 1)[:, 0] if subset else torch.arange(b.row_to_prompt.numel())
+    sub = b.select_rows(rows)
+    adv = advantages(sub)
+
+    def loss_of(lp):
+        mask = sub.completion_mask.float()
+        return -(lp * mask * adv).sum() / mask.sum().clamp(min=1.0) + 0.0 * lp.sum()
+
+    model.zero_grad()
+    ref_lp, _ = full_plain(model, sub)
+    loss_of(ref_lp).backward()
+    ref = grads_of(model)
+    results = {}
+    for attention in ("concat", "cascade"):
+        model.zero_grad()
+        state = prefix_forward(model, b.prompt_ids, b.prompt_mask, keep_graph=True)
+        leaf_state, outputs = detach_prefix(state)
+        lp, _ = cascade_split(model, sub, state=leaf_state, attention=attention)
+        loss_of(lp).backward()
+        backward_prefix(outputs, leaf_state)
+        results[attention] = (lp.detach(), grads_of(model))
+    for attention, (lp, got) in results.items():
+        assert torch.isfinite(lp).all(), attention
+        assert all(g is None or torch.isfinite(g).all() for g in got.values()), attention
+        assert max_diff(lp, ref_lp) <= LOGP_TOL, attention
+        assert_grads_match(ref, got)
