@@ -167,7 +167,10 @@ class RollplexGRPOConfig(GRPOConfig):
     )
     rollplex_overlap_timeout_s: float = field(
         default=600.0,
-        metadata={"help": "Longest wait for a prefix job after decoding ends before the step fails with its name."},
+        metadata={"help": "Longest wait for a concurrent prefix job (the overlapped schedule) after decoding ends "
+                  "before the step fails with its name. The serial schedule (rollplex_overlap 'off', and 'auto' on "
+                  "CPU) runs its jobs inline on the trainer's thread, where no timeout applies: a hung job there "
+                  "hangs the step as any other forward would."},
     )
     rollplex_timeline: bool = field(
         default=False,

@@ -279,3 +279,21 @@ def test_stream_skipped_fraction_limit():
     more = [{"problem_id": k, "bad": False, "prompt": f"q{k}"} for k in range(10, 20)]
     with pytest.raises(RollplexDataError, match=r"3 of the 20 samples read so far are invalid \(15%\)"):
         stream.prepare_batch(_batch(more))
+
+
+def test_video_column_probe_lets_a_datasets_own_error_surface():
+    """`has_video_column` peeks at the first row of a dataset without column names. An empty dataset is no video
+    dataset (TRL reports the emptiness); an error reading the row is the dataset's and is raised, not turned into
+    "no video column" (which would route video rows down the image/text path)."""
+    from rollplex_trl.data.prepared import has_video_column
+
+    class Unreadable:
+        def __getitem__(self, index):
+            raise OSError("shard 3 of the annotations cannot be read")
+
+    assert has_video_column([]) is False
+    assert has_video_column(iter([])) is False
+    assert has_video_column([{"prompt": "p", "video": "a.mp4"}]) is True
+    assert has_video_column(iter([{"prompt": "p"}])) is False
+    with pytest.raises(OSError, match="shard 3"):
+        has_video_column(Unreadable())

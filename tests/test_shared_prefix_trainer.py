@@ -155,14 +155,13 @@ def test_auto_shares_only_where_the_modelled_cost_says_it_pays(tiny_qwen2_path, 
         trainer = RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=varied_reward,
                                       train_dataset=_text_dataset(),
                                       args=_config(tmp_path, "auto", output_dir=str(tmp_path / "low-auto"),
-                                                   rollplex_overlap="on", **low))
+                                                   rollplex_overlap="auto", **low))
         assert trainer.support.share_scoring and trainer.overlap is not None  # undecided until the first rollout
         trainer.train()
     choice = trainer.sharing.choice
     assert choice is not None and not choice.share, choice
     assert choice.shape.completion_tokens == 96 and choice.shape.prompt_share < 0.5
     assert "rollplex_share_prefix=auto: off" in caplog.text
-    assert "rollplex_overlap='on' needs the shared prefix" in caplog.text
     assert not trainer.support.share_scoring and not trainer.support.share_actor
     assert trainer.overlap is None and trainer.actor_window is None
     auto = [r for r in trainer.state.log_history if "loss" in r]
@@ -185,6 +184,30 @@ def test_auto_shares_only_where_the_modelled_cost_says_it_pays(tiny_qwen2_path, 
         for key in (k for k in KEYS if k in b):
             assert a[key] == b[key], key
 
+
+
+
+def test_forced_overlap_keeps_auto_sharing_on(tiny_qwen2_path, tmp_path, caplog):
+    """rollplex_overlap="on" needs the shared prefix. With rollplex_share_prefix="auto" on a batch where the cost
+    model would turn sharing off (short text prompts, long completions, concat suffix: the case above), the forced
+    setting holds: sharing is not left to the cost model (logged once), the overlap window stays and prefix work
+    runs in it; the run's numbers are those of the "on" run."""
+    low = dict(max_steps=2, max_completion_length=96, rollplex_suffix_attention="concat", rollplex_overlap="on")
+    with caplog.at_level(logging.WARNING):
+        trainer = RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=varied_reward,
+                                      train_dataset=_text_dataset(),
+                                      args=_config(tmp_path, "auto", output_dir=str(tmp_path / "forced"), **low))
+        trainer.train()
+    assert caplog.text.count("rollplex_share_prefix=auto: on, not left to the cost model") == 1
+    assert trainer.sharing is None
+    assert trainer.support.share_scoring and trainer.support.share_actor and trainer.overlap is not None
+    forced = [r for r in trainer.state.log_history if "loss" in r]
+    on = _run(tiny_qwen2_path, _text_dataset(), tmp_path, "on", output_dir=str(tmp_path / "on"), **low)
+    assert len(forced) == len(on) == 2
+    for a, b in zip(forced, on, strict=True):
+        assert a["rollplex/prefix_rows_per_prompt"] > 1.0
+        for key in (k for k in KEYS if k in b):
+            assert a[key] == b[key], key
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])

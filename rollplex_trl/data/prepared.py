@@ -22,7 +22,7 @@ import logging
 import os
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,9 +70,11 @@ def has_column(dataset: Any, columns: tuple[str, ...]) -> bool:
     if names is None:
         try:
             first = dataset[0] if hasattr(dataset, "__getitem__") else next(iter(dataset))  # a stream: peek a row
-            names = list(first.keys())
-        except Exception:  # an empty or unreadable dataset is reported elsewhere
+        except (IndexError, KeyError, StopIteration):  # empty: TRL reports it; any other error is raised
             return False
+        if not isinstance(first, Mapping):  # not rows of columns: TRL refuses it with its own message
+            return False
+        names = list(first.keys())
     return any(c in names for c in columns)
 
 

@@ -167,6 +167,11 @@ class RollplexGRPOTrainer(GRPOTrainer):
         the first rollout's prompt shapes by the modelled cost of both paths (prefix/cost.py)."""
         if self.rollplex["rollplex_share_prefix"] != "auto" or not self.support.share_scoring:
             return None
+        if self.rollplex["rollplex_overlap"] == "on":  # forced on: it holds, so auto may not take its window away
+            if self.accelerator.is_main_process:
+                logger.warning("rollplex_share_prefix=auto: on, not left to the cost model: rollplex_overlap='on' "
+                               "runs the prefix work in the decode window, which needs the shared prefix")
+            return None
         config = self.accelerator.unwrap_model(self.model).config
         accelerator = self.accelerator
 
@@ -196,12 +201,9 @@ class RollplexGRPOTrainer(GRPOTrainer):
         self.support = dataclasses.replace(self.support, share_scoring=False, share_actor=False,
                                            average_actor_gradients=False, overlap_window=False)
         self.actor_window = None
-        if self.overlap is not None:
+        if self.overlap is not None:  # "auto" (a forced "on" keeps the sharing: _build_sharing_decision)
             self.overlap.close()
             self.overlap = None
-            if self.rollplex["rollplex_overlap"] == "on" and self.accelerator.is_main_process:
-                logger.warning("rollplex_overlap='on' needs the shared prefix: off with it (set "
-                               "rollplex_share_prefix='on' to force both)")
 
     def _decide_sharing_from_mask(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
         if self.sharing is not None and not self.sharing.decided:
