@@ -10,6 +10,8 @@ VENV=${ROLLPLEX_VLLM_VENV:-.venv-vllm}
 export VLLM_ENABLE_V1_MULTIPROCESSING=0  # the engine lives in the test process (the weight sync needs its model)
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}  # GiB; the default takes nearly all RAM
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+# every package this tier needs must import: a missing one fails the tier instead of skipping its tests
+export ROLLPLEX_REQUIRE_EXTRAS=1 ROLLPLEX_REQUIRE_VLLM=1
 export PYTHONPATH=".:tests${PYTHONPATH:+:$PYTHONPATH}"
 # a killed run leaves vLLM's CPU shared-memory files behind and the next start fails with errno 17
 clean_shm() { find /dev/shm -maxdepth 1 -name '*cpushm*' -user "$(id -u)" -delete 2>/dev/null || true; }

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import importlib
+import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# The README's test command (scripts/test.sh, which CI runs) installs every extra and sets this: there a missing
+# optional package is a failure, not ~170 silently skipped tests. A developer's bare `pytest` still skips.
+REQUIRE_EXTRAS = os.environ.get("ROLLPLEX_REQUIRE_EXTRAS") == "1"
+
+
+def require(module: str, reason: str | None = None):
+    """`pytest.importorskip` for a package of an optional extra (megatron-core, tensorboard, matplotlib, ...); under
+    the test command (ROLLPLEX_REQUIRE_EXTRAS=1) the import must succeed, and its error fails the run."""
+    if REQUIRE_EXTRAS:
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason=reason)
 
 
 class RecordingReward:
@@ -68,11 +83,13 @@ def write_mp4(path: Path, num_frames: int, height: int, width: int, fps: int = 4
     return path
 
 
-def video_rows(folder: Path, question=lambda i: f"Question {i}?" * (i + 1)) -> list[dict]:
-    """Four video prompts with clips of different sizes and lengths (different visual token counts)."""
+def video_rows(folder: Path, question=lambda i: f"Question {i}?" * (i + 1),
+               frames: int | None = None) -> list[dict]:
+    """Four video prompts with clips of different sizes and lengths (different visual token counts); ``frames``:
+    every clip that many frames long instead."""
     rows = []
     for i, (h, w, n) in enumerate([(56, 56, 8), (56, 84, 12), (84, 56, 8), (56, 56, 16)]):
-        clip = write_mp4(folder / f"clip{i}.mp4", num_frames=n, height=h, width=w, fps=4, seed=i)
+        clip = write_mp4(folder / f"clip{i}.mp4", num_frames=frames or n, height=h, width=w, fps=4, seed=i)
         rows.append({"problem_id": i, "video": str(clip),
                      "prompt": [{"role": "user", "content": [{"type": "video"}, {"type": "text",
                                                                                  "text": question(i)}]}]})
@@ -126,3 +143,19 @@ def reference_logps(model, processor, rows: list[dict], completion_ids: torch.Te
                    **vision).logits
     logits = logits[:, P - 1:-1].float() / temperature
     return torch.log_softmax(logits, -1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def assert_is_a_drawn_chart(path: Path, min_size: tuple[int, int] = (300, 150)) -> None:
+    """The file decodes as an image of at least `min_size` (width, height) with something drawn on it: not one
+    flat colour, and several colours (axes, labels and data series), not just a PNG header."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.load()
+        assert image.format == "PNG", image.format
+        assert image.width >= min_size[0] and image.height >= min_size[1], image.size
+        pixels = np.asarray(image.convert("RGB")).reshape(-1, 3)
+    colours = np.unique(pixels, axis=0)
+    assert len(colours) >= 8, f"{path.name}: {len(colours)} colours, nothing drawn"
+    background = np.all(pixels == pixels[0], axis=1).mean()
+    assert background < 0.98, f"{path.name}: {background:.1%} of the pixels are the background"

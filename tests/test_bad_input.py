@@ -1,6 +1,9 @@
 """Bad input gets a clear error naming the sample and the file, or (opt-in) is skipped and counted."""
 
+import math
+
 import pytest
+import torch
 from datasets import Dataset
 
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
@@ -150,13 +153,42 @@ def test_nan_reward_is_an_error_naming_the_function(tiny_vl_path, tmp_path):
 
 
 def test_none_reward_keeps_trl_semantics(tiny_vl_path, tmp_path):
+    """A reward function may return None for rows it cannot score (TRL turns them into NaN). TRL 1.16's semantics:
+    a row no function scored is unscorable: its advantage is 0 and it is left out of the logged reward; the other
+    rows' advantages are normalised over their group's scorable rows. Checked on video rows against that definition
+    computed here from the recorded rewards (test_trl_parity checks text rows against trl.GRPOTrainer itself)."""
     clip = write_mp4(tmp_path / "a.mp4", 8, 56, 56)
+    scored = []
 
     def partial_reward(completions, **kwargs):
-        return [None if i % 2 else 1.0 for i in range(len(completions))]
+        values = [None if i % 2 else float(len(c[0]["content"]) % 3) + 1.0 for i, c in enumerate(completions)]
+        scored.append(values)
+        return values
 
-    trainer = _trainer(tiny_vl_path, [_row(1, clip), _row(2, clip)], _config(tmp_path), func=partial_reward)
+    trainer = _trainer(tiny_vl_path, [_row(1, clip), _row(2, clip)],
+                       _config(tmp_path, num_generations=4, max_completion_length=6), func=partial_reward)
+    advantages = []
+    generate = trainer._generate_and_score_completions
+
+    def recording(inputs):
+        output = generate(inputs)
+        advantages.append(output["advantages"].clone())
+        return output
+
+    trainer._generate_and_score_completions = recording
     trainer.train()
+    (log,) = [r for r in trainer.state.log_history if "loss" in r]
+    rewards = torch.tensor([v if v is not None else float("nan") for v in scored[0]])
+    adv = advantages[0].view(-1)
+    assert adv.numel() == rewards.numel() == 4  # one prompt, G = 4
+    assert (adv[1::2] == 0).all()  # unscorable rows carry no signal
+    groups = rewards.view(-1, 4)
+    mean = torch.nanmean(groups, 1, keepdim=True)
+    std = torch.sqrt(torch.nanmean((groups - mean) ** 2, 1, keepdim=True) * 2 / (2 - 1))  # unbiased over 2 rows
+    expected = ((groups - mean) / (std + 1e-4)).nan_to_num(0.0).view(-1)
+    assert torch.allclose(adv, expected, atol=1e-5), (adv, expected)
+    assert log["reward"] == pytest.approx(torch.nanmean(rewards).item(), rel=1e-6)
+    assert math.isfinite(log["loss"]) and math.isfinite(log["grad_norm"])
 
 
 @pytest.mark.parametrize("field,value", [("rollplex_video_fps", 0.0), ("rollplex_video_min_frames", 0),

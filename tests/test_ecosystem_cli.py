@@ -16,6 +16,8 @@ from rollplex_trl.cli import main as cli_main
 from rollplex_trl.data import SyntheticVideoConfig, write_synthetic_video_dataset
 from rollplex_trl.data.toy import write_toy_dataset
 
+from helpers import require
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "examples" / "recipes"
 LAUNCH_CONFIGS = ROOT / "examples" / "accelerate"
@@ -93,7 +95,7 @@ def test_video_r1_recipe_through_the_launcher(tiny_vl_path, tmp_path):
 def test_megatron_recipe_on_two_processes(tiny_vl_path, tmp_path):
     """`rollplex-trl grpo --config video_r1_megatron_tp2.yaml --accelerate_config multi_cpu.yaml`: the Megatron
     backend, t = 2, as a user launches it (2 CPU processes); it logs the live weight sync."""
-    pytest.importorskip("megatron.core")
+    require("megatron.core")
     annotations = write_synthetic_video_dataset(
         tmp_path / "synthetic", SyntheticVideoConfig(num_samples=4, num_frames=4, height=56, width=56))
     out = tmp_path / "megatron"

@@ -100,10 +100,24 @@ def test_evaluation_windows_do_not_count_for_auto(tiny_vl_path, tmp_path, video_
 
 
 def test_eval_on_start_with_default_settings(tiny_vl_path, tmp_path, video_dataset):
-    args = _args(tmp_path, "eval-default", max_steps=2, gradient_accumulation_steps=1, eval_strategy="steps",
-                 eval_steps=1, eval_on_start=True, per_device_eval_batch_size=4)
-    RollplexGRPOTrainer(model=str(tiny_vl_path), reward_funcs=RecordingReward(), args=args,
-                        train_dataset=video_dataset, eval_dataset=video_dataset).train()
+    """Evaluation before the first step and after each one runs with default settings, and evaluates what the
+    unshared path evaluates: the same rewards, loss-free metrics and completions as rollplex_share_prefix="off"."""
+    runs = {}
+    for share in ("auto", "off"):
+        args = _args(tmp_path, f"eval-{share}", max_steps=2, gradient_accumulation_steps=1, eval_strategy="steps",
+                     eval_steps=1, eval_on_start=True, per_device_eval_batch_size=4, rollplex_share_prefix=share)
+        reward = RecordingReward()
+        trainer = RollplexGRPOTrainer(model=str(tiny_vl_path), reward_funcs=reward, args=args,
+                                      train_dataset=video_dataset, eval_dataset=video_dataset)
+        trainer.train()
+        runs[share] = ([r for r in trainer.state.log_history if "eval_reward" in r], reward.seen)
+    (evals, seen), (off_evals, off_seen) = runs["auto"], runs["off"]
+    assert [r["step"] for r in evals] == [0, 1, 2]
+    assert seen == off_seen  # the same completions sampled and scored, training and evaluation
+    for a, b in zip(evals, off_evals, strict=True):
+        assert math.isfinite(a["eval_reward"])
+        assert a["eval_reward"] == b["eval_reward"]
+        assert a["eval_completions/mean_length"] == b["eval_completions/mean_length"]
 
 
 def _text_dataset():

@@ -6,15 +6,21 @@ from pathlib import Path
 
 import pytest
 
+from helpers import REQUIRE_EXTRAS
+
 try:
     import nbclient  # noqa: F401
     import nbformat
     from nbclient import NotebookClient
 except ImportError as error:  # pragma: no cover - the dev extra installs both
+    if REQUIRE_EXTRAS:
+        raise
     pytest.skip(f"nbclient/nbformat are not importable ({error}); pip install -e '.[dev]'", allow_module_level=True)
 try:
     import ipykernel  # noqa: F401
 except ImportError as error:  # pragma: no cover
+    if REQUIRE_EXTRAS:
+        raise
     pytest.skip(f"ipykernel is not importable ({error}), so no Jupyter kernel can start; pip install -e '.[dev]'",
                 allow_module_level=True)
 

@@ -6,7 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install -e '.[dev]')")
+from helpers import require
+
+require("tensorboard", reason="tensorboard is not installed (pip install -e '.[dev]')")
 
 from rollplex_trl.callbacks.trackers import TimelineImageCallback  # noqa: E402
 from rollplex_trl.overlap import Span, Timeline  # noqa: E402

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 from datasets import Dataset
 from PIL import Image
 from trl import GRPOConfig, GRPOTrainer
@@ -28,8 +27,9 @@ def _config(cls, tmp_path, **overrides):
     return cls(**kwargs)
 
 
-def _train(trainer_cls, config_cls, model_path, dataset, tmp_path, completions=None, **overrides):
-    trainer = trainer_cls(model=str(model_path), reward_funcs=length_reward, args=_config(config_cls, tmp_path,
+def _train(trainer_cls, config_cls, model_path, dataset, tmp_path, completions=None, reward=length_reward,
+           **overrides):
+    trainer = trainer_cls(model=str(model_path), reward_funcs=reward, args=_config(config_cls, tmp_path,
                           **overrides), train_dataset=dataset)
     if completions is not None:  # the sampled completion ids of every generation batch
         generate = trainer._generate_and_score_completions
@@ -41,6 +41,9 @@ def _train(trainer_cls, config_cls, model_path, dataset, tmp_path, completions=N
 
         trainer._generate_and_score_completions = recording
     trainer.train()
+    if isinstance(trainer, RollplexGRPOTrainer):  # parity is only news if the shared paths actually ran
+        assert trainer.support.share_scoring and trainer.support.share_actor
+        assert all(r["rollplex/prefix_rows_per_prompt"] > 1 for r in trainer.state.log_history if "loss" in r)
     return [r for r in trainer.state.log_history if "loss" in r], trainer
 
 
@@ -110,9 +113,38 @@ def test_first_step_matches_trl_under_trl_defaults(tiny_qwen2_path, tiny_vl_path
 
 
 def test_plain_grpo_config_gets_safe_defaults(tiny_qwen2_path, tmp_path):
+    """A plain trl.GRPOConfig works: every rollplex_* option takes its declared default (read from the config
+    class's fields, not restated here), and the run trains as with RollplexGRPOConfig()."""
+    import dataclasses
+
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]] * 4})
     trainer = RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=length_reward,
                                   args=_config(GRPOConfig, tmp_path, max_steps=1), train_dataset=dataset)
+    declared = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                for f in dataclasses.fields(RollplexGRPOConfig) if f.name.startswith("rollplex_")}
+    assert declared and trainer.rollplex == declared
     assert trainer.rollplex["rollplex_max_prompt_length"] is None
     assert trainer.rollplex["rollplex_skip_invalid_samples"] is False
-    assert torch.is_tensor(next(trainer.model.parameters()))
+    trainer.train()
+    ours = [r for r in trainer.state.log_history if "loss" in r]
+    reference, _ = _train(RollplexGRPOTrainer, RollplexGRPOConfig, tiny_qwen2_path, dataset, tmp_path / "ref",
+                          max_steps=1)
+    assert len(ours) == len(reference) == 1
+    for key in KEYS:
+        assert ours[0][key] == reference[0][key], key
+
+
+def test_none_rewards_match_trl(tiny_qwen2_path, tmp_path):
+    """Rows a reward function cannot score (None) follow TRL's semantics exactly: the same logged rewards, loss and
+    gradient as trl.GRPOTrainer with the same seed (unscorable rows get advantage 0 and leave the reward mean)."""
+    def partial_reward(completions, **kwargs):
+        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+        return [None if i % 3 == 1 else float(len(t) % 7) for i, t in enumerate(texts)]
+
+    theirs, _ = _train(GRPOTrainer, GRPOConfig, tiny_qwen2_path, _text_dataset(), tmp_path / "trl",
+                       reward=partial_reward, num_generations=4)
+    ours, _ = _train(RollplexGRPOTrainer, RollplexGRPOConfig, tiny_qwen2_path, _text_dataset(), tmp_path / "ours",
+                     reward=partial_reward, num_generations=4)
+    _assert_same_history(ours, theirs)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["rewards/partial_reward/mean"] == pytest.approx(b["rewards/partial_reward/mean"], rel=1e-6)

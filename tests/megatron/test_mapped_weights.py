@@ -19,7 +19,9 @@ import megatron_worker as mw
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+from helpers import require
+
+require("megatron.core")
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 PAGE = 4096

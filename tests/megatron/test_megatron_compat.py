@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+from helpers import require
+
+require("megatron.core")
 
 import rollplex_trl.megatron_compat as compat  # noqa: E402
 

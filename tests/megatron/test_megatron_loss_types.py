@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("megatron.core")
+from helpers import require
+
+require("megatron.core")
 
 WORKER = Path(__file__).with_name("loss_types_worker.py")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")

@@ -16,7 +16,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-pytest.importorskip("megatron.core")
+from helpers import require
+
+require("megatron.core")
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 CHECKS = ["groups", "hf_state_dict round trip is exact", "round trip in one-tensor buckets", "logps fp32",

@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers import record_prefill_states
+from helpers import record_prefill_states, require
 
-pytest.importorskip("megatron.core")
+require("megatron.core")
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 CHECKS = ["unique prompts and vision tower once per prompt", "logps fp32", "entropy fp32",

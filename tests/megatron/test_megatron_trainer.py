@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("megatron.core")
+from helpers import require
+
+require("megatron.core")
 
 WORKER = Path(__file__).with_name("trainer_worker.py")
 KEYS = ("loss", "kl", "grad_norm", "reward")

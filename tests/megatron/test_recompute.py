@@ -17,7 +17,9 @@ import prefix_worker as pw
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+from helpers import require
+
+require("megatron.core")
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 

@@ -7,6 +7,8 @@ import pytest
 from rollplex_trl.memory.model_dims import PRESETS, ModelDims, resolve_model
 from rollplex_trl.memory.planner import GIB, PHASES, Assumptions, Workload, components, plan_memory
 
+from helpers import assert_is_a_drawn_chart, require
+
 QWEN32 = PRESETS["Qwen2.5-VL-32B"]
 TOY = ModelDims("toy", hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=32,
                 tied_embeddings=False)
@@ -153,8 +155,8 @@ def test_cli_json_schema(capsys):
 
 
 def test_cli_text_and_plot(capsys, tmp_path):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     png = tmp_path / "plan.png"
     text = _cli(capsys, "--plot", str(png))
     assert "Paper check" in text and "Assumptions:" in text and "TOTAL (peak phase)" in text
-    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert_is_a_drawn_chart(png)

@@ -19,6 +19,8 @@ from rollplex_trl.memory import (
     wrap_in_phase,
 )
 
+from helpers import assert_is_a_drawn_chart, require
+
 D, H, F = Placement.DEVICE, Placement.HOST, Placement.FREED
 CYCLE = [Phase.ROLLOUT, Phase.SCORE, Phase.TRAIN, Phase.OPTIMIZER, Phase.SYNC, Phase.IDLE]
 
@@ -237,11 +239,11 @@ def test_streamed_optimizer_chunks_enter_the_ledger():
 
 
 def test_plot_ledger(setup, tmp_path):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     from rollplex_trl.memory.plot import plot_ledger
 
     _, mgr, ledger, _, _ = setup
     for phase in CYCLE:
         mgr.enter(phase)
     out = plot_ledger(ledger, tmp_path / "timeline.png")
-    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert_is_a_drawn_chart(out)

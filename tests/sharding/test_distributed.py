@@ -16,13 +16,15 @@ import dist_worker
 import pytest
 import torch.multiprocessing as mp
 
+from helpers import require
+
 WORLD = 8
 CONFIGS = [(8, 4), (4, 2), (2, 1), (2, 2)]
 
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
-    pytest.importorskip("megatron.core")
+    require("megatron.core")
     out = tmp_path_factory.mktemp("sharding-dist")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -13,11 +13,13 @@ suite (test_vllm_megatron_path.py, with a stand-in engine: two vLLM engines cann
 import pytest
 import torch
 
+from helpers import require
+
 pytestmark = pytest.mark.needs_vllm
 
 
 def test_megatron_backend_trains_through_the_vllm_engine(small_qwen2_path, tmp_path):
-    pytest.importorskip("megatron.core")
+    require("megatron.core")
     from datasets import Dataset
 
     from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
