@@ -206,13 +206,19 @@ class MegatronBackend:
         """The TP group's layer all-reduces through shared memory (rollplex_shm_all_reduce; shm_all_reduce.py)
         where it can run; returns (the all-reduce or None, what the log says). The same choice on every TP rank."""
         from rollplex_trl import megatron_compat
-        from rollplex_trl.backends.megatron.shm_all_reduce import SharedMemoryAllReduce, shm_all_reduce_reason
+        from rollplex_trl.backends.megatron.shm_all_reduce import (
+            SharedMemoryAllReduce,
+            refuse_unordered_machine,
+            shm_all_reduce_reason,
+        )
 
         g = self.groups
         if g.tp_size == 1:
             return None, "none (t = 1)"
         if mode == "off":
             return None, "gloo (rollplex_shm_all_reduce='off')"
+        if mode == "on":  # not x86: a ValueError on every rank of the group alike (one host), before any collective
+            refuse_unordered_machine()
         reason = shm_all_reduce_reason(device, g.tp_group, g.tp_size)
         if reason is not None:
             if mode == "on":

@@ -98,6 +98,60 @@ def test_step_is_visible_without_copy_and_sync_rebuilds_the_rest(one_process, ti
         - expect_copied
 
 
+def _file_ranges(tensor: torch.Tensor) -> list[tuple[str, int, int]]:
+    """(file, first byte, end) of the file pages holding ``tensor``'s bytes in this process, read from
+    /proc/self/maps here (not through the code under test); private memory is file ''."""
+    span = (1 + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride()))) * tensor.element_size()
+    lo, hi = tensor.data_ptr(), tensor.data_ptr() + span
+    out = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start < hi and lo < end:
+                a, b = max(lo, start), min(hi, end)
+                path = fields[5] if len(fields) > 5 else ""
+                offset = int(fields[2], 16) if path else start  # anonymous memory: its own addresses
+                out.append((path, offset + a - start, offset + b - start))
+    assert sum(b - a for _, a, b in out) == span, "a tensor outside this process's mappings"
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_live_bytes_measured_independently_equal_the_plan(one_process, tiny_vl_path, dtype):
+    """The binding's byte counts against measurements that do not read the plan: (1) storage identity: the
+    rollout tensors' bytes whose file pages lie inside the trainer's shard storages (the training parameters'
+    own file ranges, however many virtual ranges map them) are the aliased bytes, the rest the copied ones;
+    (2) the bytes a sync actually writes: after an AdamW step that moves every weight, the rollout tensors'
+    bytes whose contents the sync changed (the training shards untouched by it)."""
+    backend, rollout, records = _backend(tiny_vl_path, dtype)
+    params = dict(rollout.named_parameters())
+    train = [r for _, p in backend.trainable() for r in _file_ranges(p.data)]
+    assert all(path for path, _, _ in train)  # adopted into the shared-memory arena
+
+    def inside(path, a, b):
+        return sum(max(0, min(b, hi) - max(a, lo)) for f, lo, hi in train if f == path)
+
+    aliased = copied = 0
+    for name, p in params.items():
+        for path, a, b in _file_ranges(p.data):
+            shared = inside(path, a, b)
+            assert shared in (0, b - a), name  # a tensor's page range lies wholly in the shards or wholly outside
+            aliased, copied = aliased + shared, copied + (b - a - shared)
+    assert aliased == backend.rollout.bytes_aliased > 0
+    assert copied == backend.rollout.bytes_copied_per_sync > 0
+
+    _adamw_step(backend)  # every weight moves by about lr
+    shards = {n: p.detach().clone() for n, p in backend.trainable()}
+    before = {n: p.detach().clone() for n, p in params.items()}
+    backend.sync_rollout()
+    written = sum(int((p.detach() != before[n]).sum()) * p.element_size() for n, p in params.items())
+    assert all(torch.equal(p.detach(), shards[n]) for n, p in backend.trainable())  # the sync only reads them
+    sync = dict(records)
+    assert written == sync["rollplex/sync_bytes_copied"] == backend.rollout.bytes_copied_per_sync == copied
+    assert sync["rollplex/sync_bytes_aliased"] == aliased
+
+
 def test_replaced_tensor_is_refused_and_rebound(one_process, tiny_vl_path):
     backend, rollout, _ = _backend(tiny_vl_path)
     from rollplex_trl.backends.megatron.rollout_weights import StaleRolloutWeights
@@ -133,6 +187,52 @@ def test_reasons_not_to_map(one_process, tiny_vl_path, monkeypatch):
     # split-K row-parallel views read the mapped shards: 'on' refuses when the mapping fell back
     with pytest.raises(RuntimeError, match=r"rollplex_row_parallel_views='on' needs the weight mapping.*--shm-size"):
         _backend(tiny_vl_path, mapping="auto", row_parallel_views="on")
+
+
+def test_only_the_meant_refusals_turn_the_mapping_off(one_process, tiny_vl_path, monkeypatch):
+    """A layout the plan cannot build or bind (ValueError, LayoutError) or CUDA memory the driver cannot give is a
+    reason (auto: the views + rebuild path; on: a named RuntimeError); any other exception is a bug and
+    propagates, from plan_mapping and from the backend alike, instead of passing for "mapping off"."""
+    from rollplex_trl.backends.megatron import mapped_weights
+    from rollplex_trl.backends.megatron.rollout_weights import LiveRolloutWeights
+    from rollplex_trl.memory.cuda_vmm import VmmUnavailable
+    from rollplex_trl.sharding.layouts import LayoutError
+
+    backend, rollout, _ = _backend(tiny_vl_path, mapping="off")
+    kwargs = dict(spec=backend.rollout.spec, options=backend.policy.options, rollout_model=rollout, tp_rank=0,
+                  train_params=[])
+    plan_sharding = mapped_weights.plan_sharding
+
+    def failing(error):
+        def plan(*args, **kw):
+            raise error
+        return plan
+
+    for bug in (AttributeError("'NoneType' object has no attribute 'rows'"), TypeError("bad operand"),
+                AssertionError("plan order"), KeyError("spec")):
+        monkeypatch.setattr(mapped_weights, "plan_sharding", failing(bug))
+        with pytest.raises(type(bug), match=str(bug.args[0])):
+            mapped_weights.plan_mapping(**kwargs)
+        with pytest.raises(type(bug), match=str(bug.args[0])):
+            _backend(tiny_vl_path, mapping="auto")
+    for refusal in (LayoutError("q_proj: 3 heads cannot be split evenly"), ValueError("not a run of whole rows")):
+        monkeypatch.setattr(mapped_weights, "plan_sharding", failing(refusal))
+        reason = mapped_weights.plan_mapping(**kwargs)
+        assert reason == f"the plan cannot bind the rollout model: {type(refusal).__name__}: {refusal}"
+        assert isinstance(_backend(tiny_vl_path, mapping="auto")[0].rollout, LiveRolloutWeights)
+        with pytest.raises(RuntimeError, match=r"rollplex_weight_mapping='on' cannot map the rollout weights: "
+                                               rf"the plan cannot bind .*{refusal}; use 'auto' or 'off'"):
+            _backend(tiny_vl_path, mapping="on")
+    monkeypatch.setattr(mapped_weights, "plan_sharding", plan_sharding)
+
+    def no_driver(device):
+        raise VmmUnavailable("cannot load the CUDA driver library libcuda.so.1")
+
+    monkeypatch.setattr(mapped_weights, "_memory", no_driver)
+    assert "memory for the mapping is unavailable: VmmUnavailable" in mapped_weights.plan_mapping(**kwargs)
+    monkeypatch.setattr(mapped_weights, "_memory", lambda device: None)  # a bug in the memory backend: propagates
+    with pytest.raises(AttributeError, match="page"):
+        mapped_weights.plan_mapping(**kwargs)
 
 
 def test_row_parallel_views_refusals(one_process, tiny_vl_path):

@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-pytest.importorskip("megatron.core")
+from helpers import require
+
+require("megatron.core")
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 SLOT = 1 << 14  # 16 KiB slots: the larger tensors below take dozens of chunks
@@ -248,3 +250,45 @@ def test_pooled_rollout_hand_over(records, check):
 
 def test_nothing_left_in_dev_shm(records):
     assert not _leftovers()
+
+
+# ---- the machine's memory model (no processes: the decision before any collective) --------------------------------
+
+def _routing(mode: str):
+    """MegatronBackend._route_all_reduce at t = 2 on CPU, on a stand-in backend (only its groups are read)."""
+    from types import SimpleNamespace
+
+    from rollplex_trl.trainers.megatron import MegatronBackend
+
+    backend = SimpleNamespace(groups=SimpleNamespace(tp_size=2, tp_group=None))
+    return MegatronBackend._route_all_reduce(backend, mode, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "AMD64", "i686"])
+def test_x86_keeps_the_shared_memory_all_reduce(monkeypatch, machine):
+    from rollplex_trl.backends.megatron import mapped_weights, shm_all_reduce
+
+    monkeypatch.setattr(shm_all_reduce.platform, "machine", lambda: machine)
+    assert shm_all_reduce.store_order_reason() is None
+    # a 1-rank stand-in for the group's agreement (the decision is local)
+    monkeypatch.setattr(mapped_weights, "agree", lambda reason, group, size: reason)
+    assert shm_all_reduce.shm_all_reduce_reason(torch.device("cpu"), None, 2) is None
+
+
+@pytest.mark.parametrize("machine", ["aarch64", "arm64", "ppc64le", "riscv64", ""])
+def test_not_x86_auto_takes_gloo_and_on_is_refused(monkeypatch, machine):
+    """The protocol's plain stores rely on x86's store order: elsewhere 'auto' takes gloo with the reason, 'on' is
+    a ValueError naming the field, the reason and what to use, before any collective (none is set up here)."""
+    from rollplex_trl.backends.megatron import mapped_weights, shm_all_reduce
+
+    monkeypatch.setattr(shm_all_reduce.platform, "machine", lambda: machine)
+    monkeypatch.setattr(mapped_weights, "agree", lambda reason, group, size: reason)
+    reason = shm_all_reduce.shm_all_reduce_reason(torch.device("cpu"), None, 2)
+    assert reason is not None and "not x86" in reason and (machine or "unknown") in reason
+    all_reduce, note = _routing("auto")
+    assert all_reduce is None and note == f"gloo ({reason})"
+    assert _routing("off") == (None, "gloo (rollplex_shm_all_reduce='off')")
+    for refuse in (lambda: _routing("on"), lambda: shm_all_reduce.SharedMemoryAllReduce(None)):
+        with pytest.raises(ValueError, match=r"rollplex_shm_all_reduce='on' cannot run here: .*not x86.*"
+                                             r"use rollplex_shm_all_reduce='auto' or 'off'"):
+            refuse()

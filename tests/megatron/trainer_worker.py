@@ -32,12 +32,13 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     from helpers import video_rows
 
     rank = int(os.environ.get("RANK", 0))
-    rows = video_rows(Path(out) / f"media-{tag}-{rank}", lambda i: "Q" * i)
+    flags = set(mode.split("+")) if mode else set()
+    wide = "g4" in flags  # issue 31's configuration: 4 prompts of 8-frame clips per step, G = 4
+    rows = video_rows(Path(out) / f"media-{tag}-{rank}", lambda i: "Q" * i, frames=8 if wide else None)
 
     def reward(completions, **kwargs):
         return [float(len(c[0]["content"]) % 5) for c in completions]
 
-    flags = set(mode.split("+")) if mode else set()
     vllm = "vllm" in flags
     processor = None
     if vllm:
@@ -62,8 +63,9 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
             shutil.copytree(f"{out}/run-{mode.split(':', 1)[1]}", output_dir)
         resume = f"{output_dir}/checkpoint-2"
     args = RollplexGRPOConfig(
-        output_dir=output_dir, max_steps=3, per_device_train_batch_size=2, num_generations=2,
-        gradient_accumulation_steps=2, max_completion_length=6, learning_rate=5e-3, beta=0.1, logging_steps=1,
+        output_dir=output_dir, max_steps=3, per_device_train_batch_size=8 if wide else 2,
+        num_generations=4 if wide else 2, gradient_accumulation_steps=2, max_completion_length=6,
+        learning_rate=1e-3 if wide else 5e-3, beta=0.04 if wide else 0.1, logging_steps=1,
         report_to=[], seed=5, use_cpu=True, bf16=bf16, gradient_checkpointing=bf16 or "gc" in flags,
         save_strategy="steps" if "save" in flags else "no", save_steps=2,
         ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None, rollplex_backend=backend,
@@ -78,7 +80,8 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         # under bf16 the two backends then round the same sums alike (cascade's kernels round differently: bf16 step
         # 2 loss 2% apart instead of 5e-3; cascade itself is tested against the full forward in tests/prefix/)
         rollplex_suffix_attention="concat",
-        rollplex_video_min_pixels=4 * 28 * 28, rollplex_video_max_pixels=56 * 84)
+        rollplex_video_min_pixels=4 * 28 * 28, rollplex_video_max_pixels=56 * 84,
+        rollplex_video_min_frames=8 if wide else 4, rollplex_video_max_frames=8 if wide else 16)
     trainer = RollplexGRPOTrainer(model=checkpoint, reward_funcs=reward, args=args,
                                   train_dataset=Dataset.from_list(rows * 2), processing_class=processor)
     if backend == "hf":  # the reference runs: the weights before training (the tests compare updates)
@@ -90,6 +93,7 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     if backend == "megatron" and trainer.megatron.policy.visual is not None:
         trainer.megatron.policy.visual.register_forward_pre_hook(
             lambda _m, args, kwargs: tower_items.append(len(kwargs["grid_thw"])), with_kwargs=True)
+    grads = _record_gradients(trainer) if "grads" in flags else None
     if resume:
         import torch.distributed as dist
 
@@ -105,6 +109,8 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     model = trainer.accelerator.unwrap_model(trainer.model)
     weights = {n: p.detach().float().clone() for n, p in logical_parameters(model).items()}  # (out, in) shapes
     torch.save(weights, Path(out) / f"{tag}-rank{rank}-weights.pt")
+    if grads is not None:
+        torch.save(grads, Path(out) / f"{tag}-rank{rank}-grads.pt")
     keys = ("loss", "kl", "grad_norm", "reward", "entropy")
     result = {"world": trainer.accelerator.num_processes,
               "logs": [{k: r.get(k) for k in keys} | {m: v for m, v in r.items() if m.startswith(
@@ -132,6 +138,38 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     if dist.is_initialized() and dist.get_world_size() > 1:  # under torchrun (in-process runs keep pytest's world)
         trainer.end()  # every rank done, the groups released before the interpreter's exit (RollplexGRPOTrainer.end)
     return result
+
+
+def _record_gradients(trainer) -> list[dict]:
+    """Per optimizer step, the gradients the clip sees (reduced over the ranks, not yet clipped), in HF names and
+    shapes: on the hf backend the transformers model's, on the Megatron backend the shards' all-gathered over TP
+    (a collective: every rank records) and the vision tower's."""
+    import torch
+
+    from rollplex_trl.backends.megatron import weights
+
+    steps: list[dict] = []
+    clip = trainer._clip_grad_norm
+
+    def recording(model):
+        if trainer.megatron is None:
+            grads = {n: p.grad.detach().float().clone() for n, p in trainer.accelerator.unwrap_model(
+                model).named_parameters() if p.grad is not None}
+        else:
+            backend = trainer.megatron
+            backend.grad_norm(None)  # the reductions (once per step), no clipping yet
+            policy = backend.policy
+            zeros = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in policy.gpt.named_parameters()}
+            grads = {n: g.float().clone() for n, g in weights.iter_hf_llm_state(
+                policy.spec, policy.options, zeros, policy.groups.tp_group, policy._hf_shapes)}
+            if policy.visual is not None:
+                grads |= {f"model.visual.{n}": p.grad.detach().float().clone()
+                          for n, p in policy.visual.named_parameters() if p.grad is not None}
+        steps.append(grads)
+        return clip(model)
+
+    trainer._clip_grad_norm = recording
+    return steps
 
 
 def _count_prefix_passes() -> dict:

@@ -153,10 +153,13 @@ def plan_mapping(*, spec: ModelSpec, options: ShardingOptions, rollout_model: nn
                  train_params: list[nn.Parameter], tp_rank: int, cuda_allowed: bool = False,
                  row_parallel_views: bool = False) -> MappingPlan | str:
     """This process's mapping of its rollout weights onto the training shards, or why there is none (a string).
-    Not a collective, never raises: the caller agrees on the answer over the TP group (`agree`), where a raise on
-    one rank would leave its peers waiting. `cuda_allowed`: take the never-run CUDA path. `row_parallel_views`:
-    read the row-parallel weights in place through split-K Linears (the plan's `view` class) where the model
-    allows, else copy them (`MappingPlan.split_k_note` says why)."""
+    Not a collective: the caller agrees on the answer over the TP group (`agree`). What this binding cannot serve
+    is a reason, not a raise: a model whose layouts the plan cannot build or bind (`ValueError`, the layout
+    algebra's `LayoutError` included) and, on CUDA, a driver that cannot give the mapped memory (`RuntimeError`,
+    `OSError`, e.g. `cuda_vmm.VmmUnavailable`). Anything else is a bug (a planner `AssertionError`, an
+    `AttributeError`, a `TypeError`, ...) and propagates: "mapping off" must not hide it. `cuda_allowed`: take
+    the never-run CUDA path. `row_parallel_views`: read the row-parallel weights in place through split-K Linears
+    (the plan's `view` class) where the model allows, else copy them (`MappingPlan.split_k_note` says why)."""
     device = next(rollout_model.parameters()).device
     if device.type == "cuda" and not cuda_allowed:
         return ("the rollout model is on CUDA, where this mapping has never run (rollplex_weight_mapping='on' "
@@ -172,6 +175,9 @@ def plan_mapping(*, spec: ModelSpec, options: ShardingOptions, rollout_model: nn
     note = None
     try:
         memory = _memory(device)
+    except (RuntimeError, OSError) as err:  # the CUDA driver's memory API unavailable or failing (VmmUnavailable)
+        return f"the {device.type} memory for the mapping is unavailable: {type(err).__name__}: {err}"
+    try:
         esize = torch.empty(0, dtype=dtype).element_size()
         hf_params = dict(rollout_model.named_parameters())
         if row_parallel_views:
@@ -181,7 +187,7 @@ def plan_mapping(*, spec: ModelSpec, options: ShardingOptions, rollout_model: nn
         if not row_parallel_views or note is not None:
             plan = plan_sharding(spec, mapping_options(options, esize, memory.page))
             bindings = plan_bindings(spec, plan, tp_rank, hf_params)
-    except Exception as err:  # any failure is a reason, never a raise
+    except ValueError as err:  # a layout the plan cannot build or bind (LayoutError is one); bugs propagate
         return f"the plan cannot bind the rollout model: {type(err).__name__}: {err}"
     if device.type == "cpu":  # tmpfs: writing past its size is a SIGBUS, so check the room first
         need = plan.arena_sizes[tp_rank] + plan.devices[tp_rank].buffer_size

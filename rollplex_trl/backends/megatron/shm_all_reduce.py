@@ -16,8 +16,14 @@ Exactness: every rank adds the same slots in the same order (rank 0 + rank 1 + .
 every rank (the replicated activations of a TP group stay identical); with two ranks it is also gloo's sum bit for
 bit (a + b = b + a in IEEE arithmetic), with more it can differ from gloo's order in the last bits.
 
-Ordering: the data copy happens before the sequence number is stored (x86 stores are seen in program order, and
-torch's intra-op threads join before the store); a reader loads the peer's number before it reads the slots.
+Memory ordering (x86 only): the protocol has no fences or atomics. A writer copies its chunk into its slot, then
+stores its sequence number with a plain store; a reader loads the peers' numbers, then reads their slots. This is
+correct only where the hardware keeps stores in program order as other cores see them, and loads in program order
+(x86's total store order; torch's intra-op threads, which may do the copy, join through a lock before the store).
+ARM and POWER may make the number visible before the data, or satisfy the slot read before the number's load: a
+reader could then sum stale bytes with no error. So `rollplex_shm_all_reduce="auto"` takes gloo on any machine that
+is not x86 (`store_order_reason`), and `"on"` there is refused at construction (a ValueError); a port would need
+release/acquire ordering on the sequence numbers (e.g. C11 atomics), which torch's Python API does not expose.
 
 A rank that never arrives (its process died) turns into a RuntimeError after ``timeout_s`` naming the call, not a
 hang. The file is unlinked as soon as every rank has it mapped: nothing is left in /dev/shm after a crash.
@@ -28,6 +34,7 @@ Installed by `megatron_compat.route_tensor_parallel_all_reduce` (megatron-core's
 from __future__ import annotations
 
 import os
+import platform
 import time
 import uuid
 
@@ -41,6 +48,18 @@ CONTROL_BYTES = 4096
 LINE = 64  # bytes between two ranks' sequence numbers (one cache line each)
 DEFAULT_SLOT_BYTES = 4 << 20
 DEFAULT_TIMEOUT_S = 1800.0  # torch.distributed's default process-group timeout
+# platform.machine() of the x86 family (Linux, macOS, Windows spellings): total store order, see the module docstring
+X86_MACHINES = frozenset({"x86_64", "amd64", "x64", "i386", "i486", "i586", "i686", "x86"})
+
+
+def store_order_reason(machine: str | None = None) -> str | None:
+    """Why this machine's memory model does not give the protocol the store/load order it relies on (None: an x86
+    machine, which does). ``machine``: platform.machine() unless given."""
+    machine = platform.machine() if machine is None else machine
+    if machine.lower() in X86_MACHINES:
+        return None
+    return (f"this machine is {machine or 'of an unknown type'!s}, not x86: the shared-memory all-reduce publishes "
+            "its data with plain stores and relies on x86's store order, which this CPU does not guarantee")
 
 
 def shm_all_reduce_reason(device: torch.device, tp_group: dist.ProcessGroup | None, tp_size: int,
@@ -52,6 +71,8 @@ def shm_all_reduce_reason(device: torch.device, tp_group: dist.ProcessGroup | No
         return "t = 1 (no tensor-parallel all-reduce)"
     if device.type != "cpu":
         local = f"the training device is {device.type} (NCCL does these all-reduces there)"
+    elif (order := store_order_reason()) is not None:
+        local = order
     elif not os.path.isdir(SHM_ROOT):
         local = f"{SHM_ROOT} does not exist"
     else:
@@ -64,6 +85,16 @@ def shm_all_reduce_reason(device: torch.device, tp_group: dist.ProcessGroup | No
     return agree(local, tp_group, tp_size)  # one answer for the group: the first reason, or several hosts
 
 
+def refuse_unordered_machine(machine: str | None = None) -> None:
+    """Raise the ValueError of `rollplex_shm_all_reduce="on"` on a machine that is not x86 (the same answer on
+    every rank of a TP group, which shares one host)."""
+    reason = store_order_reason(machine)
+    if reason is not None:
+        raise ValueError(f"rollplex_shm_all_reduce='on' cannot run here: {reason} (a peer could read a slot before "
+                         "its data lands, summing stale bytes silently); use rollplex_shm_all_reduce='auto' or "
+                         "'off' (the TP all-reduces then go through gloo)")
+
+
 def _file_bytes(size: int, slot_bytes: int) -> int:
     return CONTROL_BYTES + 2 * size * slot_bytes
 
@@ -73,10 +104,12 @@ class SharedMemoryAllReduce:
 
     Construct on every rank of the group together (it broadcasts the file name and barriers). ``__call__`` takes
     a contiguous CPU tensor and returns it, summed; call it on every rank in the same order, as any collective.
+    Refused (ValueError, before any collective) on a machine that is not x86 (`store_order_reason`).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, *, slot_bytes: int = DEFAULT_SLOT_BYTES,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        refuse_unordered_machine()
         if slot_bytes % LINE:
             raise ValueError(f"slot_bytes={slot_bytes} must be a multiple of {LINE}")
         self.group = group
