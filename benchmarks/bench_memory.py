@@ -12,6 +12,15 @@ allocated before, so two runs must not share one), alternating off/on; the table
 The target (issue 14): the step's peak drops by at least the reference model's bytes plus the optimizer state's
 bytes, and the step is at most 1.1x slower on CPU.
 
+What the RSS figure is NOT (CPU): "offloaded" bytes go to a `HostArena`, an unlinked file in `/dev/shm`, which is
+RAM (tmpfs). They leave the process's resident set, so its RSS drops, but the machine still holds them: the RSS drop
+is memory moved out of the process, not memory saved. The point of the CPU run is that the moves happen, exactly,
+and what they cost; on a GPU the same moves free device memory into host memory. So every run also reports, per
+phase, the machine's used memory (`MemTotal - MemAvailable` from /proc/meminfo, sampled every 10 ms: it counts
+/dev/shm, and everything else the machine runs, so on a shared machine it is mostly other people's noise) and the
+step's peak RSS plus the bytes in this run's arenas (`rss_plus_arena_step_peak_bytes`: the RAM the run holds;
+the activation arena counted at the bytes it parked per step, an upper bound of its peak).
+
 `--offload` adds a third mode, "offload": memory on with `rollplex_offload_activations="on"` (the actor's saved
 activations parked in the host arena until their backward), with the bytes it parked per step.
 
@@ -36,6 +45,50 @@ from pathlib import Path
 
 PHASES = ("rollout", "score", "train", "optimizer", "sync", "idle")
 MIB = 2**20
+
+
+def machine_used_bytes() -> int:
+    """The machine's used memory: MemTotal - MemAvailable (tmpfs such as /dev/shm counts as used)."""
+    fields = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            name, value = line.split(":", 1)
+            fields[name] = int(value.split()[0]) * 1024
+    return fields["MemTotal"] - fields["MemAvailable"]
+
+
+class MachineMemorySampler:
+    """Samples `machine_used_bytes()` on a thread; `peak(start, end)` over a span of `time.perf_counter()` times."""
+
+    def __init__(self, interval_s: float = 0.01) -> None:
+        import threading
+
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import time
+
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter(), machine_used_bytes()))
+            self._stop.wait(self.interval_s)
+
+    def start(self) -> MachineMemorySampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def peak(self, start: float, end: float) -> int:
+        inside = [b for t, b in self.samples if start <= t <= end]
+        if inside:
+            return max(inside)
+        before = [b for t, b in self.samples if t <= end]  # a phase shorter than the interval: the last sample
+        return before[-1] if before else 0
 
 
 def _trainer_class():
@@ -81,7 +134,9 @@ def worker(args) -> dict:
 
     clock = wall_step_clock()
     trainer.add_callback(clock)
+    machine = MachineMemorySampler().start()
     trainer.train()
+    machine.stop()
     ledger = memory.ledger
     # records of the steps after the warm-up: the first "idle" record ends step 1
     idle = [i for i, r in enumerate(ledger.records) if r.phase.value == "idle"]
@@ -89,10 +144,14 @@ def worker(args) -> dict:
     peak_key = "allocator_peak_bytes" if cuda else "rss_peak_bytes"
     phase_peak: dict[str, int] = {}
     registered: dict[str, int] = {}
+    machine_peak: dict[str, int] = {}
     for r in records:
         value = getattr(r, peak_key) or 0
         phase_peak[r.phase.value] = max(phase_peak.get(r.phase.value, 0), value)
         registered[r.phase.value] = max(registered.get(r.phase.value, 0), r.peak_bytes)
+        if r.end_s is not None:
+            used = machine.peak(ledger.t0 + r.start_s, ledger.t0 + r.end_s)
+            machine_peak[r.phase.value] = max(machine_peak.get(r.phase.value, 0), used)
     steps = clock.steps[1:]  # the wall-clock step, the warm-up step dropped
     trl_steps = [r["step_time"] for r in trainer.state.log_history if "step_time" in r][1:]
     # seconds per phase per step (a phase may come in several pieces in one step: train around rollout and score)
@@ -115,10 +174,13 @@ def worker(args) -> dict:
             "phase_s": phase_s,
             "activations_offloaded_bytes": statistics.median(offloaded) if offloaded else 0.0,
             "phase_peak_bytes": phase_peak, "step_peak_bytes": max(phase_peak.values()),
+            "machine_used_phase_peak_bytes": machine_peak,
+            "machine_used_step_peak_bytes": max(machine_peak.values()) if machine_peak else 0,
             "registered_peak_bytes": registered if memory.active else None, "plan_bytes": plan, "sizes": sizes,
             "prompt_tokens": batch.num_prompt_tokens,
             "streamed_optimizer": memory.optimizer is not None,
-            "arena_bytes": memory.arena.nbytes() if memory.arena is not None else 0}
+            "arena_bytes": memory.arena.nbytes() if memory.arena is not None else 0,
+            "arena_dir": os.path.dirname(memory.arena.path) if memory.arena is not None else None}
 
 
 def _run_worker(args, mode: str) -> dict:
@@ -146,6 +208,12 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "phase_peak_bytes": {p: _median([r["phase_peak_bytes"].get(p, 0) for r in rs]) for p in PHASES},
             "phase_s": {p: _median([r["phase_s"].get(p, 0.0) for r in rs]) for p in PHASES},
             "activations_offloaded_bytes": _median([r.get("activations_offloaded_bytes", 0.0) for r in rs]),
+            "machine_used_step_peak_bytes": _median([r["machine_used_step_peak_bytes"] for r in rs]),
+            "machine_used_phase_peak_bytes": {p: _median([r["machine_used_phase_peak_bytes"].get(p, 0) for r in rs])
+                                              for p in PHASES},
+            "arena_bytes": _median([r["arena_bytes"] for r in rs]),
+            "rss_plus_arena_step_peak_bytes": _median([r["step_peak_bytes"] + r["arena_bytes"]
+                                                       + r.get("activations_offloaded_bytes", 0.0) for r in rs]),
         }
     on, off = runs["on"][0], runs["off"][0]
     sizes = on["sizes"]
@@ -153,6 +221,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     drop = out["off"]["step_peak_bytes"] - out["on"]["step_peak_bytes"]
     out["sizes"] = sizes
     out["peak_drop_bytes"] = drop
+    # on CPU the moved bytes sit in /dev/shm (RAM): the machine's used memory barely drops, whatever the RSS does
+    out["machine_used_drop_bytes"] = (out["off"]["machine_used_step_peak_bytes"]
+                                      - out["on"]["machine_used_step_peak_bytes"])
     out["target_drop_bytes"] = target
     out["step_ratio"] = out["on"]["step_s"] / out["off"]["step_s"]
     out["meets_memory_target"] = drop >= target
@@ -216,25 +287,39 @@ def main() -> None:
             "prompts_per_step": args.prompts, "completion": args.completion, "frames": args.frames,
             "size": args.size, "device": "cuda" if torch.cuda.is_available() else "cpu",
             "threads": int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())), "torch": torch.__version__,
-            "peak": "allocated (CUDA)" if torch.cuda.is_available() else "process RSS (VmHWM per phase)"}
+            "peak": "allocated (CUDA)" if torch.cuda.is_available() else "process RSS (VmHWM per phase)",
+            "machine_used": "MemTotal - MemAvailable, sampled every 10 ms (the whole machine: /dev/shm included, "
+                            "and whatever else runs on it)",
+            "arena": None if torch.cuda.is_available() else "an unlinked file in /dev/shm (RAM): offloaded bytes "
+                     "leave the process's RSS, not the machine"}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=2))
 
     s = summary
     print()
-    print("| phase | peak off (MiB) | peak on (MiB) | drop (MiB) | registered on (MiB) | planned (MiB) | "
-          "time off (s) | time on (s) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| phase | peak off (MiB) | peak on (MiB) | drop (MiB) | machine used off / on (MiB) | registered on (MiB) "
+          "| planned (MiB) | time off (s) | time on (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for p in PHASES:
         off, on = s["off"]["phase_peak_bytes"][p], s["on"]["phase_peak_bytes"][p]
+        used = f"{s['off']['machine_used_phase_peak_bytes'][p] / MIB:.0f} / " \
+               f"{s['on']['machine_used_phase_peak_bytes'][p] / MIB:.0f}"
         reg, plan = s["registered_vs_plan"][p]["registered"], s["registered_vs_plan"][p]["planned"]
-        print(f"| {p} | {off / MIB:.0f} | {on / MIB:.0f} | {(off - on) / MIB:.0f} | "
+        print(f"| {p} | {off / MIB:.0f} | {on / MIB:.0f} | {(off - on) / MIB:.0f} | {used} | "
               f"{'-' if reg is None else f'{reg / MIB:.1f}'} | {'-' if plan is None else f'{plan / MIB:.1f}'} | "
               f"{s['off']['phase_s'][p]:.3f} | {s['on']['phase_s'][p]:.3f} |")
     print(f"| **step** | **{s['off']['step_peak_bytes'] / MIB:.0f}** | **{s['on']['step_peak_bytes'] / MIB:.0f}** | "
-          f"**{s['peak_drop_bytes'] / MIB:.0f}** | | | {s['off']['step_s']:.3f} | {s['on']['step_s']:.3f} |")
+          f"**{s['peak_drop_bytes'] / MIB:.0f}** | {s['off']['machine_used_step_peak_bytes'] / MIB:.0f} / "
+          f"{s['on']['machine_used_step_peak_bytes'] / MIB:.0f} | | | {s['off']['step_s']:.3f} | "
+          f"{s['on']['step_s']:.3f} |")
     z = s["sizes"]
+    used_off, used_on = s["off"]["machine_used_step_peak_bytes"], s["on"]["machine_used_step_peak_bytes"]
+    print(f"machine used memory (MemTotal - MemAvailable), step peak: off {used_off / MIB:.0f} MiB, on "
+          f"{used_on / MIB:.0f} MiB (drop {s['machine_used_drop_bytes'] / MIB:.0f} MiB); the arena (/dev/shm, RAM) "
+          f"holds {s['on']['arena_bytes'] / MIB:.1f} MiB with memory on: on CPU the RSS drop is moved, not saved")
+    print("step peak RSS + arena bytes (the RAM the run holds): "
+          + ", ".join(f"{m} {s[m]['rss_plus_arena_step_peak_bytes'] / MIB:.0f} MiB" for m in runs))
     print(f"\nreference weights {z['reference_weights'] / MIB:.1f} MiB + optimizer state "
           f"{z['optimizer_state'] / MIB:.1f} MiB = target drop {s['target_drop_bytes'] / MIB:.1f} MiB: "
           f"{'met' if s['meets_memory_target'] else 'NOT met'}")

@@ -48,7 +48,9 @@ class RollplexGRPOConfig(GRPOConfig):
     Parameters that control memory:
         rollplex_memory (`"auto"`, `"on"` or `"off"`, defaults to `"off"`): move memory at every phase boundary (the
             reference model resident only for its pass, optimizer state streamed in chunks, phase-local buffers
-            freed); exact. `"auto"`: on where the plan says memory is the constraint, decision logged once.
+            freed); exact. `"auto"`: on where the plan says memory is the constraint, decision logged once, and
+            what cannot move (an optimizer that cannot stream, a reference with `sync_ref_model`) stays resident,
+            logged; `"on"`: an error at construction for whatever it cannot move.
         rollplex_offload_activations (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): with `rollplex_memory`
             acting, park the actor's saved activations off the compute device until their backward (host arena on
             CPU, pinned memory on CUDA); exact. `"auto"`: where the plan's train phase would not fit the device.
@@ -67,7 +69,8 @@ class RollplexGRPOConfig(GRPOConfig):
             vLLM, which copies every weight anyway).
         rollplex_shm_all_reduce (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): on the Megatron backend at t > 1
             on CPU, the tensor-parallel all-reduces of every layer through one shared-memory file instead of gloo
-            (auto: where the TP group shares one host and /dev/shm has room).
+            (auto: on an x86 CPU, where the TP group shares one host and /dev/shm has room; its protocol relies on
+            x86's store order, so `"on"` is refused elsewhere).
         rollplex_pooled_rollout (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): on the Megatron backend at t > 1
             on CPU, the transformers rollout runs once per TP group, on its first rank with the whole group's
             threads, instead of on every rank with its own (auto: where the group shares one host, without vLLM
@@ -182,9 +185,11 @@ class RollplexGRPOConfig(GRPOConfig):
             "help": "Act on the memory plan at every phase boundary: the reference model resident only for the "
             "reference pass, the optimizer state off the compute device and streamed in chunks during the optimizer "
             "step, phase-local buffers freed (docs/memory.md). Exact (bytes are moved, never recomputed). 'auto': on "
-            "where weights, reference, gradients and optimizer state would take over half of the device (CPU: RAM), "
-            "decision logged once; 'on': always, error where unsupported (Megatron, DeepSpeed/FSDP); 'off': nothing "
-            "moves.",
+            "where weights, reference, gradients and optimizer state would take over half of the device (CPU: RAM) "
+            "and something can move, decision logged once; what cannot move stays resident, logged. 'on': always; "
+            "an error at construction where it cannot act (Megatron, DeepSpeed/FSDP) or cannot move something (an "
+            "optimizer other than torch's AdamW, Adam, SGD, Adagrad, RMSprop, fused or not; a reference with "
+            "sync_ref_model). 'off': nothing moves.",
             "choices": ["auto", "on", "off"],
         },
     )
@@ -255,8 +260,8 @@ class RollplexGRPOConfig(GRPOConfig):
             "row-parallel outputs forward, the column-parallel input gradients backward) through one shared-memory "
             "file instead of gloo's loopback TCP (6-25x less time per all-reduce on CPU). Every rank sums in the "
             "same rank order, so the results are identical on every rank (at t = 2 gloo's sums bit for bit). "
-            "'auto': where it can run (CPU, t > 1, the TP group on one host, room in /dev/shm), else gloo with the "
-            "reason logged; 'on': refuse to start otherwise; 'off': gloo.",
+            "'auto': where it can run (an x86 CPU, t > 1, the TP group on one host, room in /dev/shm), else gloo "
+            "with the reason logged; 'on': refuse to start otherwise; 'off': gloo.",
             "choices": ["auto", "on", "off"],
         },
     )
@@ -482,6 +487,10 @@ def _validate(cfg: RollplexGRPOConfig) -> None:
     if cfg.rollplex_backend != "megatron" and cfg.rollplex_pooled_rollout == "on":
         raise ValueError("rollplex_pooled_rollout='on' needs rollplex_backend='megatron' (the 'hf' backend's "
                          "processes each decode their own prompts)")
+    if cfg.rollplex_memory == "on" and cfg.beta != 0.0 and cfg.sync_ref_model:
+        raise ValueError("rollplex_memory='on' cannot move the reference model: sync_ref_model=True writes the policy "
+                         "into it every ref_model_sync_steps steps. Set sync_ref_model=False, or "
+                         "rollplex_memory='auto' to keep it resident")
     if cfg.rollplex_video_min_pixels > cfg.rollplex_video_max_pixels:
         raise ValueError(
             "need rollplex_video_min_pixels <= rollplex_video_max_pixels, got "

@@ -6,11 +6,15 @@ Two sources, stated in every figure's name:
 - CUDA allocator statistics: ``torch.cuda.max_memory_allocated`` per phase (the peak counter is reset at each
   phase start) and ``memory_reserved``. They see every tensor, registered or not, but cannot tell classes apart.
 
-Metrics (``metrics()``), over the window since the last ``reset_window()`` (one logging interval):
-    rollplex/mem_<class>_bytes        highest device-resident registered bytes of that class
-    rollplex/mem_peak_<phase>_bytes   highest total in that phase (CUDA: allocator peak; CPU: registered bytes)
-    rollplex/mem_resident_bytes       registered bytes on the device now
-    rollplex/mem_host_bytes           registered bytes parked on the host now
+Metrics (``metrics()``), over the window since the last ``reset_window()`` (one logging interval). A figure is
+logged only where the ledger measures it, never as a 0 that means "not measured" (a default run registers only the
+actor prefix: no weights, no optimizer state, so no resident/host totals and no permanent/regenerable class):
+    rollplex/mem_<class>_bytes        highest device-resident registered bytes of that class; classes with a
+                                      registered object or reported transient bytes only
+    rollplex/mem_peak_<phase>_bytes   highest total in that phase (CUDA: allocator peak, every phase; CPU: registered
+                                      bytes, phases inside a registered object's window or with transient bytes)
+    rollplex/mem_resident_bytes       registered bytes on the device now   } only where objects that outlive a step
+    rollplex/mem_host_bytes           registered bytes parked on the host  } (permanent, regenerable) are registered
     rollplex/mem_reserved_bytes       CUDA only: bytes the caching allocator holds now
     rollplex/mem_rss_peak_<phase>_bytes  with ``track_rss=True`` (Linux): the process's peak resident set in that phase
     rollplex/mem_rss_bytes               with ``track_rss=True``: the process's resident set now
@@ -71,6 +75,9 @@ class MemoryLedger:
         self.records: list[PhaseRecord] = []
         self.samples: list[Sample] = []
         self._current: PhaseRecord | None = None
+        # classes and phases that transient bytes were reported for (they are measured, registered or not)
+        self._transient_classes: set[LifetimeClass] = set()
+        self._transient_phases: set[Phase] = set()
         self.reset_window()
 
     # --- sampling -------------------------------------------------------------------------------------------------
@@ -78,9 +85,12 @@ class MemoryLedger:
     def sample(self, transient: Mapping[LifetimeClass | str, int] | None = None) -> Sample:
         """Record the device-resident registered bytes now, plus ``transient`` bytes per class."""
         by_class = self.registry.bytes_by_class(Placement.DEVICE)
+        rec = self._current
         for cls, nbytes in (transient or {}).items():
             by_class[LifetimeClass(cls)] += nbytes
-        rec = self._current
+            self._transient_classes.add(LifetimeClass(cls))
+            if rec is not None:
+                self._transient_phases.add(rec.phase)
         s = Sample(time.perf_counter() - self.t0, rec.phase if rec else None, by_class)
         self.samples.append(s)
         for cls, nbytes in by_class.items():
@@ -140,12 +150,16 @@ class MemoryLedger:
             # the open phase's allocator peak so far
             self._allocator_peak[self._current.phase] = max(
                 self._allocator_peak.get(self._current.phase, 0), torch.cuda.max_memory_allocated(self.device))
-        out: dict[str, float] = {f"{METRIC_PREFIX}{cls.value}_bytes": float(n) for cls, n in self._class_peak.items()}
+        classes, phases, residency = self._measured()
+        out: dict[str, float] = {f"{METRIC_PREFIX}{cls.value}_bytes": float(n) for cls, n in self._class_peak.items()
+                                 if cls in classes}
         peaks = self._allocator_peak if self.cuda else self._phase_peak
         for phase, n in peaks.items():
-            out[f"{METRIC_PREFIX}peak_{phase.value}_bytes"] = float(n)
-        out[f"{METRIC_PREFIX}resident_bytes"] = float(sum(self.registry.bytes_by_class(Placement.DEVICE).values()))
-        out[f"{METRIC_PREFIX}host_bytes"] = float(sum(self.registry.bytes_by_class(Placement.HOST).values()))
+            if self.cuda or phase in phases:
+                out[f"{METRIC_PREFIX}peak_{phase.value}_bytes"] = float(n)
+        if residency:
+            out[f"{METRIC_PREFIX}resident_bytes"] = float(sum(self.registry.bytes_by_class(Placement.DEVICE).values()))
+            out[f"{METRIC_PREFIX}host_bytes"] = float(sum(self.registry.bytes_by_class(Placement.HOST).values()))
         if self.cuda:
             out[f"{METRIC_PREFIX}reserved_bytes"] = float(torch.cuda.memory_reserved(self.device))
         if self.track_rss:
@@ -153,6 +167,18 @@ class MemoryLedger:
                 out[f"{METRIC_PREFIX}rss_peak_{phase.value}_bytes"] = float(n)
             out[f"{METRIC_PREFIX}rss_bytes"] = float(process_rss())
         return out
+
+    def _measured(self) -> tuple[set[LifetimeClass], set[Phase], bool]:
+        """What the registered objects and reported transients cover: the lifetime classes, the phases whose
+        registered bytes mean something (an object's window, or every phase once an object outlives the step), and
+        whether resident/host totals do (only with a permanent or regenerable object: the others are gone by the
+        time a step's metrics are read, so their totals would read 0 in every run)."""
+        objects = list(self.registry)
+        registered = {obj.lifetime for obj in objects}
+        classes = registered | self._transient_classes
+        residency = bool(registered & {LifetimeClass.PERMANENT, LifetimeClass.REGENERABLE})
+        phases = set(Phase) if residency else {p for obj in objects for p in obj.window} | self._transient_phases
+        return classes, phases, residency
 
     def trace_events(self, pid: int = 0, tid: str = "memory") -> list[dict]:
         """Chrome-trace events (``chrome://tracing``, Perfetto) to merge into the phase timeline: one span per phase

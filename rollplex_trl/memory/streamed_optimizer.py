@@ -13,8 +13,12 @@ brings chunk i+1 into the other slot (stream order makes the slot reuse safe; ev
 most two chunks of state are on the device at any time. On CPU the same code runs with plain synchronous copies.
 
 Exactness: the wrapped optimizer runs its own ``step`` on each chunk (its ``param_groups`` swapped for the chunk's
-subset), and AdamW-style updates are elementwise per parameter, so the result is bit-identical to one unchunked
-``step`` of the same optimizer (tested on CPU against ``torch.optim.AdamW``, foreach and for-loop, amsgrad on/off).
+subset), with its own kernel: ``fused=True`` runs torch's fused kernel and ``foreach=True`` its foreach kernels on
+the chunk's tensors. AdamW-style updates are elementwise per parameter, so the result is bit-identical to one
+unchunked ``step`` of the same optimizer and variant (tested on CPU against ``torch.optim.AdamW`` fused, foreach and
+for-loop, amsgrad on/off, weight decay, with a grad scaler's ``grad_scale``/``found_inf``, which are handed to each
+chunk's step as ``GradScaler`` hands them to a fused optimizer). The CUDA path (fused kernels on the device, the
+state streamed from pinned host memory, the fused ``step`` counters left on the device) is written but has never run.
 
 It is a ``torch.optim.Optimizer``: ``param_groups``, ``state``, ``zero_grad``, ``state_dict``/``load_state_dict``
 (host tensors go into checkpoints) and LR schedulers work as usual, so it can be handed to a transformers
@@ -27,9 +31,9 @@ writes them back, and frees the slots at its end, so the resident state is at mo
 ``state_dict()`` materialises the state (checkpoints are those of the wrapped optimizer); ``load_state_dict`` parks
 it again. Never read a placeholder: its storage is empty.
 
-Not supported: ``capturable=True``, and ``fused=True`` on an accelerator (they keep ``step`` on the device; a
-fused kernel on CPU is fine), optimizers whose state is not per parameter (LBFGS), and closures that need the
-state on the device.
+Not supported: ``capturable=True`` (made for CUDA graphs: the step reads its learning rate and counters from device
+tensors that a graph replays, which streaming would have to capture too), optimizers whose state is not per
+parameter (LBFGS), and closures that need the state on the device.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ if TYPE_CHECKING:
     from rollplex_trl.memory.ledger import MemoryLedger
     from rollplex_trl.memory.registry import MemoryObject, MemoryRegistry
 
+# set on a fused optimizer by torch.amp.GradScaler.step around its step (see `_run_inner`)
+_AMP_ATTRS = ("grad_scale", "found_inf")
 _ALIGN = 256  # bytes; keeps every state view in a slot aligned for vectorised kernels
 
 
@@ -80,19 +86,19 @@ class StreamedOptimizer(torch.optim.Optimizer):
         inner = optimizer_cls(params, **optimizer_kwargs)
         first = inner.param_groups[0]["params"][0]
         device = torch.device(compute_device) if compute_device is not None else first.device
-        for group in inner.param_groups:
-            # On CPU a fused kernel keeps ``step`` on the CPU too and updates each parameter elementwise, so it
-            # streams like the for-loop one (and is what transformers' default optim="adamw_torch_fused" builds).
-            if group.get("capturable") or (group.get("fused") and device.type != "cpu"):
-                raise ValueError(f"StreamedOptimizer cannot stream {optimizer_cls.__name__}(fused=True or "
-                                 "capturable=True) on an accelerator: those keep per-step scalars on the device; "
-                                 "pass fused=False, capturable=False")
+        if any(group.get("capturable") for group in inner.param_groups):
+            raise ValueError(f"StreamedOptimizer cannot stream {optimizer_cls.__name__}(capturable=True): a capturable "
+                             "step (for CUDA graphs) keeps its counters and learning rate in device tensors; pass "
+                             "capturable=False (fused=True and foreach=True stream)")
         # Share the inner optimizer's group dicts and state: LR schedulers edit our param_groups, the inner step
         # reads the same dicts, and state_dict() sees the host-resident state.
         super().__init__(inner.param_groups, inner.defaults)
         inner.param_groups = self.param_groups
         self.state = inner.state
         self.inner = inner
+        # GradScaler hands a fused optimizer its scale and inf flag as attributes instead of unscaling first; they
+        # are forwarded to the inner step of every chunk (`_run_inner`), so scaled steps match the fused optimizer's.
+        self._step_supports_amp_scaling = getattr(inner, "_step_supports_amp_scaling", False)
         self.chunk_bytes = chunk_bytes
         self.storage_device = torch.device(storage_device)
         self.compute_device = device
@@ -121,7 +127,8 @@ class StreamedOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _streamed_items(state: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-        # 'step' stays where the wrapped optimizer keeps it (a CPU scalar unless fused/capturable, which we refuse)
+        # 'step' stays where the wrapped optimizer keeps it: a CPU scalar, or with fused=True a scalar on the
+        # parameters' device (4 bytes per parameter, read by the fused kernel)
         return [(k, v) for k, v in state.items() if torch.is_tensor(v) and k != "step"]
 
     def state_bytes(self) -> int:
@@ -295,10 +302,15 @@ class StreamedOptimizer(torch.optim.Optimizer):
             by_group.setdefault(gi, []).append(p)
         groups = self.param_groups
         self.inner.param_groups = [{**groups[gi], "params": ps} for gi, ps in by_group.items()]
+        scaling = {k: getattr(self, k) for k in _AMP_ATTRS if hasattr(self, k)}
+        for k, v in scaling.items():
+            setattr(self.inner, k, v)
         try:
             self.inner.step()
         finally:
             self.inner.param_groups = groups
+            for k in scaling:
+                delattr(self.inner, k)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -17,15 +17,23 @@ What moves at which phase boundary (phases: rollout -> score -> train -> optimiz
     (`rollplex_offload_activations`)            backward read                   memory (CUDA); where the plan says
                                                                                 the actor would not fit, or "on"
 
+Under TRL's defaults (optim="adamw_torch_fused", beta=0, bf16, gradient checkpointing) there is no reference model:
+what moves is the fused AdamW's state (streamed chunk by chunk, each chunk through torch's fused kernel; on CUDA
+that path has never run), the gradients dropped at the sync boundary, and the actor's activations where "auto"
+finds they would not fit. What cannot move is never silently kept under a forced "on": an optimizer that cannot
+stream, or a reference with `sync_ref_model=True`, raises at construction (`KeptResident.refusal`); "auto" keeps it
+resident, says so once, and counts only what will move (`moved_bytes`).
+
 "Offloaded" on CPU means what it means on a GPU: the storage of every tensor is resized to zero bytes (FSDP's move;
 tensor objects, `nn.Parameter` identity and views stay valid) and the bytes wait in a `HostArena`, a file in
 `/dev/shm` that is never mapped into the process, so the process's resident set really drops (measured by the
-ledger's `rollplex/mem_rss_peak_<phase>_bytes`). Every move is a byte copy: the numbers of a run are those of the
+ledger's `rollplex/mem_rss_peak_<phase>_bytes`). /dev/shm is RAM too: the bytes leave the process, not the
+machine (benchmarks/bench_memory.py reports both). Every move is a byte copy: the numbers of a run are those of the
 same run with memory off (tests/memory/test_phase_memory.py).
 
 Hooks in the trainer (four small ones; see `RollplexGRPOTrainer`): the component is built at the end of `__init__`
 (`PhaseMemory.build(trainer)`), `create_optimizer` takes `phase_memory.create_optimizer(trainer, model)` (a
-`StreamedOptimizer` around the optimizer transformers would build; `None` where it cannot stream), the reference
+`StreamedOptimizer` around the optimizer transformers would build; `None` where "auto" keeps it resident), the reference
 pass runs inside `phase_memory.reference(model is self.ref_model)`, and `_prefix_jobs` returns
 `phase_memory.prefix_jobs(jobs)` (the reference prefix job holds the reference weights while it runs).
 """
@@ -37,6 +45,7 @@ import functools
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,10 +58,12 @@ from rollplex_trl.memory.streamed_optimizer import StreamedOptimizer, register_s
 
 logger = logging.getLogger(__name__)
 
-# Optimizers whose state is per parameter and elementwise: chunked steps are bit-identical to one step.
+# Optimizers whose state is per parameter and elementwise: chunked steps are bit-identical to one step (fused and
+# foreach variants included: each chunk runs the same kernel).
 _STREAMABLE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad, torch.optim.RMSprop)
+_STREAMABLE_OPTIMS = "optim='adamw_torch_fused' (TRL's default), 'adamw_torch', 'sgd', 'adagrad' or 'rmsprop'"
 # "auto": on when weights + reference + gradients + optimizer state would take more than this share of the device
-# (CPU: of the host's RAM) with nothing moved.
+# (CPU: of the host's RAM) with nothing moved, and something would actually move.
 AUTO_PRESSURE = 0.5
 CPU_CHUNK_BYTES = 16 << 20
 CUDA_CHUNK_BYTES = 512 << 20
@@ -84,6 +95,81 @@ def _device_capacity(device: torch.device) -> int:
     except OSError:
         pass
     return 0
+
+
+@dataclass(frozen=True)
+class KeptResident:
+    """Something `rollplex_memory` would move but cannot in this trainer: what, why, and the setting that would let
+    it move. "on" refuses to construct with one; "auto" keeps it resident and logs it once."""
+
+    what: str
+    reason: str
+    fix: str
+
+    def refusal(self) -> str:
+        return (f"rollplex_memory='on' cannot move the {self.what}: {self.reason}. Set {self.fix}, or "
+                f"rollplex_memory='auto' to keep it resident")
+
+
+def _reference_model(trainer: Any) -> Any:
+    """The separate reference model, or None (beta = 0, or PEFT: the reference is the policy with adapters off)."""
+    return trainer.ref_model if trainer.beta != 0.0 else None
+
+
+def _optimizer_cls_and_kwargs(trainer: Any, model: Any = None) -> tuple[Any, dict[str, Any]]:
+    """What transformers' `create_optimizer` would build (class and keyword arguments), without building it."""
+    if trainer.optimizer_cls_and_kwargs is not None:
+        optimizer_cls, kwargs = trainer.optimizer_cls_and_kwargs
+    else:
+        optimizer_cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, trainer.model if model is None
+                                                                     else model)
+    return optimizer_cls, dict(kwargs)
+
+
+def _optimizer_kept(trainer: Any) -> KeptResident | None:
+    """Why the trainer's optimizer state cannot be streamed (None: it streams)."""
+    from transformers.trainer_optimizer import is_optimizer_factory
+
+    optim = getattr(trainer.args, "optim", None)
+    optim = getattr(optim, "value", optim)
+    if trainer.optimizer is not None:  # passed in through `optimizers=(...)`: built before the trainer could stream it
+        if isinstance(trainer.optimizer, StreamedOptimizer):
+            return None
+        return KeptResident("optimizer state", f"the optimizer was passed in built "
+                            f"({type(trainer.optimizer).__name__}, optimizers=(...))",
+                            "optimizers=(StreamedOptimizer(...), scheduler) or let the trainer build it with "
+                            + _STREAMABLE_OPTIMS)
+    optimizer_cls, kwargs = _optimizer_cls_and_kwargs(trainer)
+    name = getattr(optimizer_cls, "__name__", repr(optimizer_cls))
+    if (is_optimizer_factory(optimizer_cls) or optimizer_cls not in _STREAMABLE
+            or any(k in kwargs for k in ("params", "model", "optimizer_dict"))):
+        return KeptResident("optimizer state", f"optim={optim!r} builds {name}, whose state is not streamed (per-"
+                            "parameter elementwise torch optimizers only)", _STREAMABLE_OPTIMS)
+    if kwargs.get("capturable"):
+        return KeptResident("optimizer state", f"optim={optim!r} builds {name}(capturable=True), whose step keeps "
+                            "its counters on the device for CUDA graphs", "optim_args without capturable=True")
+    return None
+
+
+def _reference_kept(trainer: Any) -> KeptResident | None:
+    """Why the reference model cannot be offloaded (None: it is, or there is none)."""
+    if _reference_model(trainer) is None or not getattr(trainer.args, "sync_ref_model", False):
+        return None
+    return KeptResident("reference model", "sync_ref_model=True writes the policy into it every "
+                        "ref_model_sync_steps steps", "sync_ref_model=False")
+
+
+def _state_tensors_per_param(optimizer_cls: Any, kwargs: dict[str, Any]) -> int:
+    """State tensors the size of its parameter that the optimizer keeps (what streaming moves)."""
+    if not isinstance(optimizer_cls, type) or issubclass(optimizer_cls, (torch.optim.Adam, torch.optim.AdamW)):
+        return 2 + bool(kwargs.get("amsgrad"))  # Adam(W); an estimate for factories and other optimizers
+    if issubclass(optimizer_cls, torch.optim.SGD):
+        return int(bool(kwargs.get("momentum")))
+    if issubclass(optimizer_cls, torch.optim.RMSprop):
+        return 1 + bool(kwargs.get("momentum")) + bool(kwargs.get("centered"))
+    if issubclass(optimizer_cls, torch.optim.Adagrad):
+        return 1
+    return 2
 
 
 class _Gradients:
@@ -150,13 +236,15 @@ class PhaseMemory:
     reference pass as the `score` phase in the ledger (for side-by-side measurements) and moves nothing."""
 
     def __init__(self, trainer: Any, *, active: bool = True, reason: str = "", track_rss: bool | None = None,
-                 chunk_bytes: int | None = None, arena_dir: str | None = None) -> None:
+                 chunk_bytes: int | None = None, arena_dir: str | None = None,
+                 kept: list[KeptResident] | None = None) -> None:
         from rollplex_trl.callbacks import MemoryPhaseCallback
         from rollplex_trl.memory import MemoryLedger, MemoryRegistry, ResidencyManager, wrap_in_phase
         from rollplex_trl.trl_compat import GENERATE_METHOD
 
         self.active = active
         self.reason = reason
+        self.kept = self.kept_resident(trainer) if kept is None and active else (kept or [])
         self.device = torch.device(trainer.accelerator.device)
         cpu = self.device.type == "cpu"
         self.chunk_bytes = chunk_bytes or (CPU_CHUNK_BYTES if cpu else CUDA_CHUNK_BYTES)
@@ -201,7 +289,8 @@ class PhaseMemory:
 
     @classmethod
     def build(cls, trainer: Any) -> PhaseMemory | None:
-        """The component for `trainer.rollplex["rollplex_memory"]`, or None when off (the decision logged once)."""
+        """The component for `trainer.rollplex["rollplex_memory"]`, or None when off (the decision logged once). A
+        forced "on" is never silently weakened: what it cannot move raises here, naming the setting that would."""
         mode = trainer.rollplex.get("rollplex_memory", "off")
         if mode == "off":
             if trainer.rollplex.get("rollplex_offload_activations", "auto") == "on":
@@ -214,13 +303,17 @@ class PhaseMemory:
                 raise ValueError(f"rollplex_memory='on' cannot act here: {refusal}. Use 'auto' or 'off'.")
             cls._log(trainer, f"rollplex_memory='auto': off, {refusal}")
             return None
+        kept = cls.kept_resident(trainer)
+        if mode == "on" and kept:
+            raise ValueError("; ".join(k.refusal() for k in kept))
         if mode == "auto":
             pays, why = cls.pays(trainer)
-            cls._log(trainer, f"rollplex_memory='auto': {'on' if pays else 'off'}, {why}")
+            stays = "".join(f"; the {k.what} stays resident ({k.reason})" for k in kept)
+            cls._log(trainer, f"rollplex_memory='auto': {'on' if pays else 'off'}, {why}{stays}")
             if not pays:
                 return None
-            return cls(trainer, reason=why)
-        return cls(trainer, reason="rollplex_memory='on'")
+            return cls(trainer, reason=why, kept=kept)
+        return cls(trainer, reason="rollplex_memory='on'", kept=kept)
 
     @staticmethod
     def _log(trainer: Any, message: str) -> None:
@@ -237,43 +330,59 @@ class PhaseMemory:
         return None
 
     @staticmethod
+    def kept_resident(trainer: Any) -> list[KeptResident]:
+        """What the plan would move but cannot in this trainer (an unstreamable optimizer, a synced reference)."""
+        return [k for k in (_optimizer_kept(trainer), _reference_kept(trainer)) if k is not None]
+
+    @staticmethod
     def movable_bytes(trainer: Any) -> dict[str, int]:
-        """Bytes of what the plan moves, and of what stays, from the trainer's real tensors (state estimated as
-        AdamW's two moments of every trainable parameter)."""
+        """Bytes of the objects the plan handles, from the trainer's real tensors, whether or not they move here
+        (`moved_bytes`). The optimizer state is estimated as its optimizer's per-parameter tensors (AdamW: two
+        moments, three with amsgrad) shaped like every trainable parameter."""
         policy = list(trainer.accelerator.unwrap_model(trainer.model).parameters())
-        ref = trainer.ref_model if trainer.beta != 0.0 else None
+        ref = _reference_model(trainer)
         trainable = [p for p in policy if p.requires_grad]
+        if trainer.optimizer is not None:
+            per_param = 2  # passed in built: AdamW's two moments, as transformers' optimizers mostly are
+        else:
+            per_param = _state_tensors_per_param(*_optimizer_cls_and_kwargs(trainer))
         return {
             "policy_weights": _tensor_bytes(policy),
             "reference_weights": _tensor_bytes(ref.parameters()) if ref is not None else 0,
-            "gradients": sum(p.numel() * p.element_size() for p in trainable),
-            "optimizer_state": sum(2 * p.numel() * p.element_size() for p in trainable),
+            "gradients": _tensor_bytes(trainable),
+            "optimizer_state": per_param * _tensor_bytes(trainable),
         }
+
+    @classmethod
+    def moved_bytes(cls, trainer: Any) -> dict[str, int]:
+        """Of `movable_bytes`, those the plan will actually move off the compute device outside their phase: the
+        reference only where there is one and it is not synced, the optimizer state only where it streams."""
+        sizes = cls.movable_bytes(trainer)
+        kept = {k.what for k in cls.kept_resident(trainer)}
+        return {"reference_weights": 0 if "reference model" in kept else sizes["reference_weights"],
+                "optimizer_state": 0 if "optimizer state" in kept else sizes["optimizer_state"]}
 
     @classmethod
     def pays(cls, trainer: Any) -> tuple[bool, str]:
         """'auto': the moves cost copies every step, so they pay where memory is the constraint: weights, reference,
-        gradients and optimizer state would take more than AUTO_PRESSURE of the device (CPU: of the RAM)."""
-        sizes = cls.movable_bytes(trainer)
-        total = sum(sizes.values())
+        gradients and optimizer state would take more than AUTO_PRESSURE of the device (CPU: of the RAM), and what
+        would really move (`moved_bytes`) is not nothing."""
+        total = sum(cls.movable_bytes(trainer).values())
         capacity = _device_capacity(torch.device(trainer.accelerator.device))
-        moved = sizes["reference_weights"] + sizes["optimizer_state"]
+        moved = cls.moved_bytes(trainer)
         share = total / capacity if capacity else 0.0
         gib = 2**30
         why = (f"weights + reference + gradients + optimizer state = {total / gib:.2f} GiB, {share:.0%} of the "
                f"{'device' if trainer.accelerator.device.type == 'cuda' else 'host RAM'} "
-               f"({capacity / gib:.0f} GiB); moving the reference and the optimizer state would free "
-               f"{moved / gib:.2f} GiB outside their phases")
-        return share > AUTO_PRESSURE and moved > 0, why
+               f"({capacity / gib:.0f} GiB); moving the reference ({moved['reference_weights'] / gib:.2f} GiB) and "
+               f"the optimizer state ({moved['optimizer_state'] / gib:.2f} GiB) would free "
+               f"{sum(moved.values()) / gib:.2f} GiB outside their phases")
+        return share > AUTO_PRESSURE and sum(moved.values()) > 0, why
 
     def _register_reference(self, trainer: Any) -> None:
-        ref = trainer.ref_model if trainer.beta != 0.0 else None
-        if ref is None:
-            return  # beta = 0, or PEFT (the reference is the policy with its adapters off)
-        if getattr(trainer.args, "sync_ref_model", False):
-            self._log(trainer, "rollplex_memory: the reference model stays resident (sync_ref_model=True writes "
-                      "into it every ref_model_sync_steps)")
-            return
+        ref = _reference_model(trainer)
+        if ref is None or any(k.what == "reference model" for k in self.kept):
+            return  # none to move, or kept resident ("auto" with sync_ref_model; logged by `build`)
         params = list(trainer.accelerator.unwrap_model(ref).parameters())
         if self.device.type == "cpu":
             _adopt_resizable(params)
@@ -295,24 +404,14 @@ class PhaseMemory:
             obj.history.append((phase, obj.placement))
 
     def create_optimizer(self, trainer: Any, model: Any = None) -> StreamedOptimizer | None:
-        """The optimizer transformers would build (class, hyperparameters, weight-decay groups), streamed; None where
-        it cannot stream (the trainer then builds its own and the state stays where it is)."""
+        """The optimizer transformers would build (class, hyperparameters incl. fused/foreach, weight-decay groups),
+        streamed; None where it cannot stream ("auto" only: the trainer then builds its own, the state resident)."""
         if not self.active:
             return None
-        from transformers.trainer_optimizer import is_optimizer_factory
-
+        if any(k.what == "optimizer state" for k in self.kept):
+            return None  # "auto" with an optimizer that cannot stream ("on" refused it at construction)
         opt_model = trainer.model if model is None else model
-        if trainer.optimizer_cls_and_kwargs is not None:
-            optimizer_cls, kwargs = trainer.optimizer_cls_and_kwargs
-        else:
-            optimizer_cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, opt_model)
-        kwargs = dict(kwargs)
-        if (is_optimizer_factory(optimizer_cls) or optimizer_cls not in _STREAMABLE
-                or any(k in kwargs for k in ("params", "model", "optimizer_dict"))
-                or (kwargs.get("fused") and self.device.type != "cpu")):
-            self._log(trainer, f"rollplex_memory: optim={trainer.args.optim!r} is not streamed (per-parameter "
-                      "elementwise optimizers only; on an accelerator not fused); its state stays resident")
-            return None
+        optimizer_cls, kwargs = _optimizer_cls_and_kwargs(trainer, opt_model)
         decay = set(trainer.get_decay_parameter_names(opt_model))
         named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
         groups = [{"params": [p for n, p in named if n in decay], "weight_decay": trainer.args.weight_decay},

@@ -117,3 +117,27 @@ def test_metrics_go_through_a_trl_trainer_metrics_dict():
     logs = {"loss": 1.0}
     cb.on_log(None, None, None, logs=logs)
     assert logs == {"loss": 1.0}  # already delivered through _metrics
+
+
+def test_ledger_logs_only_what_it_measures():
+    # the default trainer's ledger: only the actor prefix (boundary, window "train") is registered
+    reg = MemoryRegistry()
+    ledger = MemoryLedger(reg)
+    mgr = ResidencyManager(reg, ledger)
+    prefix = torch.zeros(64)
+    reg.register_tensors("actor_prefix", lambda: [prefix], "boundary", "train", "train")
+    for phase in ("rollout", "score", "train", "optimizer", "sync", "idle"):
+        mgr.enter(phase)
+    m = ledger.metrics()
+    assert m == {"rollplex/mem_boundary_bytes": 256.0, "rollplex/mem_peak_train_bytes": 256.0}
+    # weights registered (what rollplex_memory does): the totals, the class and every phase are measured
+    weights = torch.zeros(100)
+    reg.register_tensors("weights", [weights], "regenerable", "sync", "optimizer")
+    ledger.reset_window()
+    for phase in ("rollout", "score", "train", "optimizer", "sync", "idle"):
+        mgr.enter(phase)
+    m = ledger.metrics()
+    assert m["rollplex/mem_resident_bytes"] == 400.0 and m["rollplex/mem_host_bytes"] == 0.0
+    assert m["rollplex/mem_regenerable_bytes"] == 400.0
+    assert m["rollplex/mem_peak_rollout_bytes"] == 400.0 and m["rollplex/mem_peak_train_bytes"] == 656.0
+    assert "rollplex/mem_permanent_bytes" not in m and "rollplex/mem_phase_local_bytes" not in m

@@ -44,17 +44,56 @@ def _assert_same(m1: nn.Module, m2: nn.Module, o1: torch.optim.Optimizer, o2: to
             assert torch.equal(s1[key], s2[key]), f"state {key} of {name} differs"
 
 
-@pytest.mark.parametrize("foreach", [False, True])
+def _variant(kind: str) -> dict:
+    """torch AdamW's three implementations: the fused kernel (CPU has one in recent torch), foreach, for-loop."""
+    return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[kind]
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach", "for-loop"])
 @pytest.mark.parametrize("amsgrad", [False, True])
-def test_bit_identical_to_adamw(foreach, amsgrad):
-    kw = dict(lr=3e-2, betas=(0.9, 0.95), eps=1e-6, amsgrad=amsgrad, foreach=foreach)
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_bit_identical_to_adamw_of_the_same_variant(kind, amsgrad, weight_decay):
+    kw = dict(lr=3e-2, betas=(0.9, 0.95), eps=1e-6, amsgrad=amsgrad, **_variant(kind))
     ref_model, model = _model(), _model()
-    ref = torch.optim.AdamW(_groups(ref_model), **kw)
-    streamed = StreamedOptimizer(_groups(model), torch.optim.AdamW, chunk_bytes=3000, **kw)
+    ref = torch.optim.AdamW(_groups(ref_model, weight_decay), **kw)
+    streamed = StreamedOptimizer(_groups(model, weight_decay), torch.optim.AdamW, chunk_bytes=3000, **kw)
+    assert all(g.get("fused") == ref.param_groups[0].get("fused") for g in streamed.inner.param_groups)
     _train(ref_model, ref, steps=6)
     _train(model, streamed, steps=6)
     _assert_same(ref_model, model, ref, streamed)
     assert len(streamed.last_step_chunks) > 2, "chunk size should force several chunks"
+
+
+def _train_scaled(model: nn.Module, opt: torch.optim.Optimizer, steps: int, inf_at: int) -> torch.amp.GradScaler:
+    """Steps through torch's GradScaler (a scale that is not a power of two, so unscaling before the step and
+    inside the fused kernel would round differently); step `inf_at` gets an inf gradient and must be skipped."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1000.0, growth_interval=2)
+    g = torch.Generator().manual_seed(3)
+    for i in range(steps):
+        loss = model(torch.randn(7, 12, generator=g)).pow(2).mean()
+        scaler.scale(loss).backward()
+        if i == inf_at:
+            next(model.parameters()).grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return scaler
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_grad_scaler_steps_equal_the_fused_optimizer(amsgrad):
+    # GradScaler hands a fused optimizer grad_scale/found_inf instead of unscaling the gradients first
+    kw = dict(lr=3e-2, weight_decay=0.1, amsgrad=amsgrad, fused=True)
+    ref_model, model = _model(), _model()
+    ref = torch.optim.AdamW(_groups(ref_model), **kw)
+    streamed = StreamedOptimizer(_groups(model), torch.optim.AdamW, chunk_bytes=3000, **kw)
+    assert streamed._step_supports_amp_scaling
+    s1 = _train_scaled(ref_model, ref, steps=5, inf_at=2)
+    s2 = _train_scaled(model, streamed, steps=5, inf_at=2)
+    assert s1.get_scale() == s2.get_scale() != 1000.0
+    _assert_same(ref_model, model, ref, streamed)
+    assert all(s["step"].item() == 4 for s in streamed.state.values()), "the inf step must be skipped"
+    assert not hasattr(streamed.inner, "grad_scale") and not hasattr(streamed.inner, "found_inf")
 
 
 def test_other_per_parameter_optimizer():
@@ -130,6 +169,9 @@ def test_state_dict_round_trip_and_interchange_with_adamw():
     _assert_same(model, model2, streamed, streamed2)
 
 
-def test_rejects_fused_and_capturable():
-    with pytest.raises(ValueError, match="fused"):
+def test_fused_streams_on_any_device_capturable_is_refused():
+    # On CUDA the fused kernel runs per chunk as on CPU (the CUDA path has never run: no GPU here); only
+    # construction is checked, which touches no device.
+    StreamedOptimizer(_model().parameters(), torch.optim.AdamW, fused=True, compute_device="cuda")
+    with pytest.raises(ValueError, match="capturable=True.*pass capturable=False"):
         StreamedOptimizer(_model().parameters(), torch.optim.AdamW, capturable=True)

@@ -312,3 +312,104 @@ def test_an_object_in_use_is_not_moved_by_a_phase_boundary():
     assert obj.placement is Placement.HOST  # placed for the current phase once released
     manager.enter("score")
     assert torch.equal(weights, expected)
+
+
+# --- under TRL's defaults, and forced settings ---------------------------------------------------------------------
+
+MEASURED_ONLY = ("rollplex/mem_resident_bytes", "rollplex/mem_host_bytes", "rollplex/mem_permanent_bytes",
+                 "rollplex/mem_regenerable_bytes")
+
+
+def _text_trainer(model_path, tmp_path, memory, trainer_kwargs=None, **overrides):
+    """A text GRPO run that leaves TRL's defaults alone (bf16, gradient checkpointing, beta 0, dapo,
+    optim adamw_torch_fused) unless `overrides` say otherwise."""
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"count {i} " * (i + 1)}] for i in range(4)]})
+    kwargs = dict(output_dir=str(tmp_path / memory), max_steps=3, per_device_train_batch_size=2, num_generations=2,
+                  max_completion_length=6, learning_rate=5e-3, logging_steps=1, report_to=[], seed=11, use_cpu=True,
+                  save_strategy="no", disable_tqdm=True, rollplex_memory=memory)
+    kwargs.update(overrides)
+    trainer_kwargs = {"model": str(model_path), **(trainer_kwargs or {})}
+    return HookedTrainer(reward_funcs=varied_reward, args=RollplexGRPOConfig(**kwargs), train_dataset=dataset,
+                         **trainer_kwargs)
+
+
+def test_memory_on_under_trl_defaults_streams_the_fused_optimizer(tiny_qwen2_path, tmp_path, monkeypatch):
+    import rollplex_trl.trainers.memory as memory_module
+
+    monkeypatch.setattr(memory_module, "CPU_CHUNK_BYTES", 128 << 10)  # several chunks of the tiny model's state
+    on = _text_trainer(tiny_qwen2_path, tmp_path, "on")
+    args = on.args
+    assert (args.optim, args.bf16, args.gradient_checkpointing, args.beta, args.loss_type) == (
+        "adamw_torch_fused", True, True, 0.0, "dapo")
+    on.train()
+    off = _text_trainer(tiny_qwen2_path, tmp_path, "off")
+    off.train()
+    a, b = _logs(on), _logs(off)
+    assert len(a) == len(b) == 3 and any(r["grad_norm"] > 0 for r in b)
+    for step, (x, y) in enumerate(zip(a, b, strict=True)):
+        for key in ("loss", "grad_norm", "reward"):
+            assert x[key] == y[key], f"{key} differs at step {step}"
+    for p, q in zip(on.model.parameters(), off.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    # what moves under TRL's defaults on CPU: the fused AdamW's state, streamed from the arena; no reference (beta 0)
+    memory = on.phase_memory
+    streamed = on.optimizer.optimizer
+    assert isinstance(streamed, StreamedOptimizer) and streamed is memory.optimizer
+    assert all(g["fused"] for g in streamed.inner.param_groups) and len(streamed.last_step_chunks) > 2
+    state = [v for s in streamed.state.values() for k, v in s.items() if k != "step"]
+    assert state and all(v.untyped_storage().nbytes() == 0 for v in state)
+    assert memory.arena.nbytes() == streamed.state_bytes() > 0
+    assert memory.ref_object is None and on.ref_model is None
+    # the ledger: measured figures are logged with their real values, unmeasured ones not at all (never a 0)
+    policy = sum(p.numel() * p.element_size() for p in on.model.parameters())
+    for r in a:
+        assert r["rollplex/mem_regenerable_bytes"] == policy
+        assert r["rollplex/mem_resident_bytes"] == policy  # between steps only the weights are resident
+        assert r["rollplex/mem_host_bytes"] == streamed.state_bytes()
+        assert 0 < r["rollplex/mem_permanent_bytes"] < streamed.state_bytes()  # chunks in flight, never all of it
+    for r in b:
+        assert not any(k in r for k in MEASURED_ONLY), sorted(k for k in r if k.startswith("rollplex/mem_"))
+        for phase in ("rollout", "score", "optimizer", "sync", "idle"):  # nothing registered lives there
+            assert f"rollplex/mem_peak_{phase}_bytes" not in r
+
+
+def test_forced_on_refuses_what_it_cannot_move(tiny_qwen2_path, tmp_path):
+    with pytest.raises(ValueError, match=r"rollplex_memory='on' cannot move the optimizer state: optim='adafactor' "
+                       r"builds Adafactor.*optim='adamw_torch_fused'.*rollplex_memory='auto'"):
+        _text_trainer(tiny_qwen2_path, tmp_path, "on", optim="adafactor")
+    with pytest.raises(ValueError, match=r"rollplex_memory='on' cannot move the reference model: sync_ref_model=True"
+                       r".*Set sync_ref_model=False"):
+        _config(tmp_path, "on", sync_ref_model=True)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_path))
+    with pytest.raises(ValueError, match=r"cannot move the optimizer state: the optimizer was passed in built"):
+        _text_trainer(tiny_qwen2_path, tmp_path, "on", trainer_kwargs=dict(
+            model=model, optimizers=(torch.optim.AdamW(model.parameters()), None)))
+
+
+def _force_auto(monkeypatch):
+    import rollplex_trl.trainers.memory as memory_module
+
+    monkeypatch.setattr(memory_module, "AUTO_PRESSURE", 0.0)  # a tiny model is always "under pressure"
+
+
+def test_auto_counts_and_moves_only_what_can_move(tiny_qwen2_path, tmp_path, caplog, monkeypatch):
+    _force_auto(monkeypatch)
+    # nothing can move (no reference at beta 0, Adafactor's state does not stream): auto stays off
+    trainer = _text_trainer(tiny_qwen2_path, tmp_path, "auto", optim="adafactor")
+    assert PhaseMemory.moved_bytes(trainer) == {"reference_weights": 0, "optimizer_state": 0}
+    assert trainer.phase_memory is None
+    assert any("rollplex_memory='auto': off" in r.getMessage() and "optimizer state stays resident" in r.getMessage()
+               for r in caplog.records)
+    # a synced reference stays resident, the optimizer state streams
+    caplog.clear()
+    trainer = _text_trainer(tiny_qwen2_path, tmp_path, "auto", beta=0.1, sync_ref_model=True)
+    moved, sizes = PhaseMemory.moved_bytes(trainer), PhaseMemory.movable_bytes(trainer)
+    assert sizes["reference_weights"] > 0 and moved["reference_weights"] == 0
+    assert moved["optimizer_state"] == sizes["optimizer_state"] == 2 * sizes["gradients"] > 0
+    memory = trainer.phase_memory
+    assert memory is not None and memory.ref_object is None
+    assert all(p.untyped_storage().nbytes() > 0 for p in trainer.ref_model.parameters())
+    notes = [r.getMessage() for r in caplog.records if "rollplex_memory='auto'" in r.getMessage()]
+    assert len(notes) == 1 and "reference model stays resident (sync_ref_model=True" in notes[0]
