@@ -77,7 +77,7 @@ def worker(argv: list[str]) -> None:
     if prefill.endswith("+replicated"):  # rollplex_split_vision="off": every TP rank runs the whole vision tower
         prefill, split_vision = prefill.removesuffix("+replicated"), "off"
     if prefill == "rollout":  # the rollout model prefills, the decode window's job builds the actor's prefix
-        from rollplex_trl.trainers.megatron import MegatronBackend
+        from rollplex_trl.backends.megatron.backend import MegatronBackend
 
         MegatronBackend.rollout_prefill = lambda self, training: None
 

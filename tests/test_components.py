@@ -10,6 +10,7 @@ from rollplex_trl.data.prompt import prompt_identity
 from rollplex_trl.overlap import OverlapExecutor, OverlapSchedule
 from rollplex_trl.prefix import suffix_logps
 from rollplex_trl.prefix.actor import ActorWindow
+from rollplex_trl.prefix.batch import StepPrefixes
 from rollplex_trl.trainers.context import BatchContext
 from rollplex_trl.trainers.support import decide_support
 
@@ -111,10 +112,11 @@ def test_schedule_hands_each_state_to_scoring_once(mode):
     records, seen = [], []
     schedule = _schedule(mode, records)
     weight = torch.nn.Parameter(torch.zeros(2))
-    with torch.no_grad(), schedule.window(_jobs(seen), [weight], training=True):
+    prefixes = StepPrefixes()
+    with torch.no_grad(), schedule.window(_jobs(seen), [weight], training=True, into=prefixes):
         pass
-    assert schedule.take("ref") == "state of ref" and schedule.take("ref") is None
-    assert schedule.take("actor") == "state of actor"
+    assert prefixes.take_scoring(reference=True) == "state of ref" and prefixes.take_scoring(reference=True) is None
+    assert prefixes.old is None and prefixes.take_actor() == "state of actor" and prefixes.take_actor() is None
     assert [name for name, _ in seen] == ["ref", "actor"] and all(not grad for _, grad in seen)  # caller's grad mode
     assert records[-1][0]["rollplex/overlap_active"] == (1.0 if mode == "on" else 0.0)
     schedule.close()
@@ -126,7 +128,7 @@ def test_schedule_auto_counts_training_windows_only_and_asks_process_0(monkeypat
     schedule = _schedule("auto", records, broadcast=lambda decision: asked.append(decision) or True)
     weight = torch.nn.Parameter(torch.zeros(2))
     for training in (False, True, False, True, True, True):
-        with schedule.window(_jobs([]), [weight], training=training):
+        with schedule.window(_jobs([]), [weight], training=training, into=StepPrefixes()):
             pass
     active = [m["rollplex/overlap_active"] for m, training in records if training]
     assert active == [0.0, 0.0, 1.0, 1.0]  # warm-up, serial measurement, overlapped measurement, decided ON

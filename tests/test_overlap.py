@@ -85,11 +85,13 @@ def test_a_weight_write_inside_the_window_is_detected(tiny_qwen2_path, tmp_path)
     trainer = _text_trainer(tiny_qwen2_path, tmp_path)
     enc = trainer.processing_class(["count to three", "count to three"], return_tensors="pt", padding=True)
     window = trainer._decode_window(None)
+    prefixes = trainer.batch.prefixes  # where the window's states would go
+    assert trainer._prefix_jobs().for_window(enc["input_ids"], enc["attention_mask"], None, training=True)
     with pytest.raises(OverlapError, match="written while"):
         with window(enc["input_ids"], enc["attention_mask"]):
             with torch.no_grad():  # what an optimizer step or a weight sync would do
                 next(trainer.model.parameters()).add_(0.0)
-    assert trainer.overlap.precomputed == {}, "no state from the violated window may be used"
+    assert (prefixes.ref, prefixes.old, prefixes.actor) == (None, None, None), "no state of the violated window"
 
 
 def test_optimizer_barrier_refuses_pending_readers():
@@ -102,6 +104,12 @@ def test_optimizer_barrier_refuses_pending_readers():
     assert job.result() is True
     executor.assert_idle()
     executor.close()
+
+
+def _no_prefix_states(trainer) -> bool:
+    """Nothing of a failed window is left for a scoring pass or the actor to use."""
+    prefixes = trainer.batch.prefixes
+    return (prefixes.ref, prefixes.old, prefixes.actor) == (None, None, None)
 
 
 def test_a_failing_prefix_job_surfaces_with_its_traceback(tiny_qwen2_path, tmp_path, monkeypatch):
@@ -121,7 +129,7 @@ def test_a_failing_prefix_job_surfaces_with_its_traceback(tiny_qwen2_path, tmp_p
         frames.append(tb.tb_frame.f_code.co_name)
         tb = tb.tb_next
     assert "broken_prefix" in frames, "the original traceback was lost"
-    assert trainer.overlap.precomputed == {} and trainer.overlap.executor._jobs == []
+    assert _no_prefix_states(trainer) and trainer.overlap.executor._jobs == []
 
 
 def test_a_hung_prefix_job_times_out(tiny_qwen2_path, tmp_path, monkeypatch):
@@ -132,7 +140,7 @@ def test_a_hung_prefix_job_times_out(tiny_qwen2_path, tmp_path, monkeypatch):
     trainer = _text_trainer(tiny_qwen2_path, tmp_path, rollplex_overlap_timeout_s=0.5)
     with pytest.raises(OverlapError, match="did not finish within"):
         trainer.train()
-    assert trainer.overlap.precomputed == {}
+    assert _no_prefix_states(trainer)
 
 
 def test_interrupt_during_decoding_leaves_nothing_behind(tiny_qwen2_path, tmp_path, monkeypatch):
@@ -146,7 +154,7 @@ def test_interrupt_during_decoding_leaves_nothing_behind(tiny_qwen2_path, tmp_pa
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
     assert trainer.overlap is None or trainer.overlap.executor._jobs == []
-    assert trainer.overlap.precomputed == {}
+    assert _no_prefix_states(trainer)
 
 
 def test_auto_decides_and_logs(tiny_qwen2_path, tmp_path, caplog, monkeypatch):

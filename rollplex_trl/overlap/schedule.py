@@ -13,7 +13,7 @@ them on the caller's thread right after decoding. So `rollplex_overlap` never ch
 rounding). The executor runs them under the caller's autocast, grad mode and thread count (`CallerState`).
 
 The decoding thread and the worker only read θ_k (barrier 1, `WeightGuard`); scoring waits for its job (barrier 2,
-`take`); the optimizer step asserts the executor is idle (barrier 3, `assert_idle`).
+the window's `StepPrefixes`); the optimizer step asserts the executor is idle (barrier 3, `assert_idle`).
 
 `"auto"`: on CPU the serial schedule (decoding already uses the cores, and a thread split must never decide a
 result). On CUDA training window 0 runs serially as a warm-up (one-time costs, e.g. vLLM's or the allocator's
@@ -35,14 +35,14 @@ import torch
 
 from rollplex_trl.overlap.executor import OverlapExecutor, Span, WeightGuard
 from rollplex_trl.overlap.timeline import Timeline, WindowStats, window_stats
-from rollplex_trl.prefix.batch import Precomputed, precompute_prefix
+from rollplex_trl.prefix.batch import Precomputed, PrefixKind, StepPrefixes, precompute_prefix
 
 logger = logging.getLogger(__name__)
 
 # "auto" on CUDA: training window 0 is a serial warm-up, window 1 the serial measurement, window 2 the overlapped one
 AUTO_SERIAL_WINDOW, AUTO_OVERLAP_WINDOW = 1, 2
 
-Jobs = list[tuple[str, Callable[[], Precomputed]]]
+Jobs = list[tuple[PrefixKind, Callable[[], Precomputed]]]
 
 
 @dataclass
@@ -89,7 +89,7 @@ class PrefixJobs:
 
 
 class OverlapSchedule:
-    """Runs each rollout window's prefix jobs (concurrently or after decoding) and hands their states to scoring.
+    """Runs each rollout window's prefix jobs (concurrently or after decoding) into the step's `StepPrefixes`.
 
     `mode` is the user's `rollplex_overlap`; `executor` runs the jobs; `record` receives each window's metrics
     (a dict of `rollplex/*` values and whether the window was a training one); `broadcast` makes process 0's
@@ -104,7 +104,6 @@ class OverlapSchedule:
                  warn: Callable[[str], None] = logger.warning) -> None:
         self.executor = executor
         self.timeline = Timeline()
-        self.precomputed: dict[str, Precomputed] = {}
         self.force_serial = False  # benchmarks: the serial schedule, same work, measured
         self.active = mode == "on"
         # True while a window's jobs run concurrently with decoding and one of them builds a graph on the policy
@@ -120,9 +119,10 @@ class OverlapSchedule:
                  "decoding; set rollplex_overlap='on' to run them concurrently)")
 
     @contextlib.contextmanager
-    def window(self, jobs: Jobs, weights: Iterable[torch.nn.Parameter], training: bool) -> Iterator[None]:
-        """The rollout decodes inside; the jobs run during it (concurrent) or right after it (serial)."""
-        self.precomputed.clear()  # never carry a state into another window
+    def window(self, jobs: Jobs, weights: Iterable[torch.nn.Parameter], training: bool, into: StepPrefixes
+               ) -> Iterator[None]:
+        """The rollout decodes inside; the jobs run during it (concurrent) or right after it (serial). Their states
+        go to `into` once every job has finished and the weights were found unchanged (none if any failed)."""
         measuring = not self.decided and training and bool(jobs)
         concurrent = bool(jobs) and not self.force_serial and (
             self.active or (measuring and self.training_windows == AUTO_OVERLAP_WINDOW))
@@ -148,25 +148,16 @@ class OverlapSchedule:
         if not concurrent:  # the serial schedule: the same jobs, after decoding
             for name, fn in jobs:
                 executor.submit(name, fn, concurrent_run=False)
-        try:
-            done = executor.wait_all()
-            guard.check("the prefix jobs")  # barrier 1
-        except BaseException:
-            self.precomputed.clear()
-            raise
+        done = executor.wait_all()
+        guard.check("the prefix jobs")  # barrier 1
         for job in done:
-            self.precomputed[job.name] = job.future.result()
+            into.put(job.name, job.future.result())
         self._finish_window(decode, [j.span for j in done if j.span is not None], concurrent, measuring, training)
-
-    def take(self, kind: str) -> Precomputed | None:
-        """The state job `kind` computed in this window (once), or None."""
-        return self.precomputed.pop(kind, None)
 
     def assert_idle(self) -> None:
         self.executor.assert_idle()  # barrier 3: the optimizer step follows
 
     def close(self) -> None:
-        self.precomputed.clear()
         self.executor.close()
 
     def write_timeline(self, out: Path) -> str | None:

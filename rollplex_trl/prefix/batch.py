@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -134,6 +135,39 @@ class Precomputed:
 
     def matches(self, keys: list[object]) -> bool:
         return keys == self.keys
+
+
+PrefixKind = Literal["ref", "old", "actor"]
+PREFIX_KINDS: tuple[PrefixKind, ...] = ("ref", "old", "actor")
+
+
+@dataclass
+class StepPrefixes:
+    """The prefix states one rollout built for its generation batch, each taken once by the pass it is for.
+
+    Filled during the rollout (the decode window's jobs; the prefill kept for the actor window), read by the
+    reference and old log-prob passes and by the actor window's first micro-batch. A new one per rollout: a state
+    never serves another generation batch."""
+
+    ref: Precomputed | None = None  # the reference model's prefix (no graph)
+    old: Precomputed | None = None  # the policy's prefix at θ_k for the old log-probs (no graph)
+    actor: Precomputed | None = None  # the policy's prefix with its autograd graph, for the loss
+
+    def put(self, kind: PrefixKind, state: Precomputed) -> None:
+        if kind not in PREFIX_KINDS:
+            raise ValueError(f"unknown prefix kind {kind!r} (one of {PREFIX_KINDS})")
+        setattr(self, kind, state)
+
+    def take_scoring(self, *, reference: bool) -> Precomputed | None:
+        """The reference's (or the old policy's) state, once."""
+        kind: PrefixKind = "ref" if reference else "old"
+        state = getattr(self, kind)
+        setattr(self, kind, None)
+        return state
+
+    def take_actor(self) -> Precomputed | None:
+        state, self.actor = self.actor, None
+        return state
 
 
 def precompute_prefix(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,

@@ -37,7 +37,7 @@ from transformers import DynamicCache
 from rollplex_trl.data.prompt import PreparedPrompt
 from rollplex_trl.prefix import compiled_decode
 from rollplex_trl.prefix import shared_decode as sd
-from rollplex_trl.prefix.batch import Precomputed, PromptGroups, group_by_prompt, run_prefix
+from rollplex_trl.prefix.batch import Precomputed, PromptGroups, StepPrefixes, group_by_prompt, run_prefix
 from rollplex_trl.prefix.forward import cache_kwarg, unwrap_model
 from rollplex_trl.prefix.state import PrefixState
 
@@ -47,29 +47,25 @@ _VISION_KWARGS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "vide
 
 @dataclass
 class PrefillForActor:
-    """Asks each `generate` call's prefill to keep its autograd graph for the actor window, and holds what it kept.
+    """Asks each `generate` call's prefill to keep its autograd graph for the actor window.
 
     `wanted()` is asked before the prefill (the trainer's conditions: training, the actor prefix due in this window
     at these weights). `checkpointing()` is the context the kept prefill runs in: the policy's gradient
-    checkpointing as training has it, as the actor's prefix job has it (`PrefixJobs.actor_checkpointing`). `state`
-    is then the prefill's prefix (graph-carrying K/V, vision tower included) for the call's unique prompts, grouped
-    exactly as `precompute_prefix` groups them; the trainer takes it once.
+    checkpointing as training has it, as the actor's prefix job has it (`PrefixJobs.actor_checkpointing`). The
+    prefill's prefix (graph-carrying K/V, vision tower included) for the call's unique prompts, grouped exactly as
+    `precompute_prefix` groups them, then goes to `into.actor`, the step's `StepPrefixes`.
     """
 
     wanted: Callable[[], bool]
+    into: StepPrefixes  # where the kept prefix goes (its `actor`)
     checkpointing: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    state: Precomputed | None = None
-
-    def take(self) -> Precomputed | None:
-        state, self.state = self.state, None
-        return state
 
 
 @dataclass(frozen=True)
 class BackendPrefill:
     """A training backend's prefill for the transformers rollout (`shared_prefill(prefill=)`), in place of the
     decoding model's own: the backend's policy computes the same K/V at the same weights, and a prefill kept for the
-    actor window then is that backend's actor prefix (Megatron: trainers/megatron.py `rollout_prefill`).
+    actor window then is that backend's actor prefix (Megatron: backends/megatron/backend.py `rollout_prefill`).
 
     `run(prompt_ids (U, P), prompt_mask, rows or None, *, keep_graph)`: this process's `PrefixState` of the unique
     prompts' prompt[:, :-1] (RoPE applied; `last_positions` the decode continues from), the actor's prefix when
@@ -107,13 +103,13 @@ def prefill_for_rollout(prefill: BackendPrefill, input_ids: torch.Tensor, attent
                         ) -> tuple[PrefixState, PromptGroups]:
     """A generate call's prefill: the unique prompts' state for the decode and the rows' grouping; where
     `for_actor.wanted()`, the prefill runs with its graph, checkpointed as training checkpoints, and is kept in
-    `for_actor.state`. Also what a TP peer that does not decode runs (the pooled rollout: the same collectives)."""
+    `for_actor.into.actor`. Also what a TP peer that does not decode runs (the pooled rollout: the same collectives)."""
     keep = for_actor is not None and for_actor.wanted()
     checkpointing = for_actor.checkpointing if keep else contextlib.nullcontext
     with forward_context(), checkpointing():
         state, groups = _prefill_unique(prefill, input_ids, attention_mask, rows, keep_graph=keep)
     if keep:  # the decode runs under no_grad: it reads these K/V without extending their graph
-        for_actor.state = Precomputed(keys=groups.keys, state=state)
+        for_actor.into.put("actor", Precomputed(keys=groups.keys, state=state))
     with torch.no_grad():
         return prefill.for_decode(state), groups
 
@@ -232,7 +228,7 @@ def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None
             cache = _expanded_cache(state, groups, width, dtypes)
         deltas = _rope_deltas(state, groups, attention_mask)
         unique = len(groups.first_row)
-        del state  # its K/V live on in the cache (and in `for_actor.state`)
+        del state  # its K/V live on in the cache (and in `for_actor.into.actor`)
         for key in _VISION_KWARGS:  # all vision tokens are in the cache now: HF must not encode them again
             kwargs.pop(key, None)
         backbone = causal_lm.base_model

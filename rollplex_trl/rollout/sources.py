@@ -9,10 +9,25 @@ stay bit-identical, merged or not.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+# Models whose tensors are bound to another engine's training parameters (the Megatron backend's rollout model): what
+# they are bound to, for messages. Kept here rather than as an attribute on the user's model.
+_BOUND: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def bind_weights(model: torch.nn.Module, to: str) -> None:
+    """Record that `model`'s tensors are views of `to`'s training parameters: they change at every optimizer step
+    although none requires grad, and must not be moved (e.g. into vLLM's storage)."""
+    _BOUND[model] = to
+
+
+def weights_bound_to(model: torch.nn.Module) -> str | None:
+    return _BOUND.get(model)
 
 
 @dataclass
@@ -61,7 +76,7 @@ def iter_sources(model: torch.nn.Module) -> Iterator[TrainerTensor]:
     if not _is_peft(model):
         # a model bound to another engine's training parameters (the Megatron backend's rollout model) changes at
         # every optimizer step although none of its parameters requires grad
-        bound = bool(getattr(model, "rollplex_weights_bound_to", None))
+        bound = weights_bound_to(model) is not None
         for name, param in model.named_parameters():
             yield TrainerTensor(_clean(name), param, trainable=param.requires_grad or bound)
         return

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rollplex_trl.rollout.engine import RolloutRequest, RolloutSample, SamplingSpec
-from rollplex_trl.rollout.sources import iter_sources
+from rollplex_trl.rollout.sources import iter_sources, weights_bound_to
 from rollplex_trl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, SyncStats, WeightSync
 
 if TYPE_CHECKING:  # vLLM is imported lazily: this module imports without it
@@ -173,7 +173,7 @@ class VLLMColocateEngine:
         blocker = None
         if self.config.tensor_parallel_size > 1:
             blocker = "vLLM holds only this rank's shard (tensor parallelism)"
-        bound = getattr(model, "rollplex_weights_bound_to", None)
+        bound = weights_bound_to(model)
         if bound:  # aliasing would move the model's tensors into vLLM's storage, ending their binding
             blocker = f"the trainer model's tensors are bound to {bound}"
         targets = VLLMTargets(self.model, iter_sources(model))

@@ -30,6 +30,7 @@ import shutil
 import struct
 import zipfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
@@ -101,7 +102,7 @@ class ResumableRepeatSampler(RepeatSampler):
 # folder with only `config.json`, and an auto-restarting job then fails on it at every restart; a truncated weights file
 # fails with a safetensors header error that names no file; a checkpoint without `optimizer.pt` resumes silently with a
 # fresh optimizer. Here:
-# - `staged_checkpoint` (around `Trainer._save_checkpoint`) makes `_get_output_dir` point into `tmp-checkpoint-N`
+# - `CheckpointStaging.staged` (around `Trainer._save_checkpoint`) makes `_get_output_dir` point into `tmp-checkpoint-N`
 #   while the Trainer writes, so its own code (and TRL's) writes `tmp-checkpoint-N/checkpoint-N`; once everything is
 #   written (and fsynced) the main process renames it to `checkpoint-N`, the other ranks waiting at barriers. Rotation
 #   (`save_total_limit`), the best checkpoint's path and hub pushes then run on the final folder.
@@ -336,19 +337,6 @@ def fsync_tree(folder: str) -> None:
         _fsync(root, directory=True)
 
 
-def staging_output_dir(trainer, run_dir: str) -> str:
-    """What `_get_output_dir` returns: the staging folder while a checkpoint is being written, else `run_dir`."""
-    return getattr(trainer, "_rollplex_checkpoint_staging", None) or run_dir
-
-
-def defer_push(trainer, checkpoint_folder: str, push: Callable[[str], None]) -> None:
-    """`_push_from_checkpoint`: a staged checkpoint is pushed (an async upload) once it has its final name."""
-    if getattr(trainer, "_rollplex_checkpoint_staging", None) is not None:
-        trainer._rollplex_deferred_push = push
-    else:
-        push(checkpoint_folder)
-
-
 def _finalize(staging_root: str, staged: str, final: str) -> None:
     """Rename the complete `staged` folder to `final` (moving aside a stale `final` of an earlier run first)."""
     fsync_tree(staged)
@@ -364,38 +352,57 @@ def _finalize(staging_root: str, staged: str, final: str) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def staged_checkpoint(trainer, trial) -> Iterator[None]:
-    """Around `Trainer._save_checkpoint`: its writes go to `tmp-checkpoint-N/checkpoint-N` (through
-    `_get_output_dir`), which becomes `checkpoint-N` only once complete; then rotation, best checkpoint and push."""
-    args, state = trainer.args, trainer.state
-    run_dir = trainer._get_output_dir(trial)
-    name = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-    staging_root = os.path.join(run_dir, f"{STAGING_PREFIX}-{state.global_step}")
-    staged, final = os.path.join(staging_root, name), os.path.join(run_dir, name)
-    if args.should_save and os.path.exists(staging_root):
-        shutil.rmtree(staging_root)  # an earlier save of this step that was killed
-    trainer.accelerator.wait_for_everyone()
-    trainer._rollplex_checkpoint_staging, trainer._rollplex_deferred_push = staging_root, None
-    try:
-        yield  # the Trainer's own save (its rotation sees only the staging folder: a no-op)
-    finally:
-        trainer._rollplex_checkpoint_staging = None
-    # the best checkpoint as the Trainer would have recorded it under its final name (it saw the staging folder)
-    best_step = state.best_global_step
-    if best_step and args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST):
-        best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best_step}")
-        if (best_step == state.global_step or os.path.isdir(best)) and state.best_model_checkpoint != best:
-            state.best_model_checkpoint = best
-            if args.should_save:
-                state.save_to_json(os.path.join(staged, _STATE))
-    trainer.accelerator.wait_for_everyone()  # every rank has written its part
-    if args.should_save:
-        _finalize(staging_root, staged, final)
-    trainer.accelerator.wait_for_everyone()  # nobody goes on before checkpoint-N exists
-    if trainer._rollplex_deferred_push is not None:
-        push, trainer._rollplex_deferred_push = trainer._rollplex_deferred_push, None
-        push(final)
-    if args.should_save:
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=args.save_total_limit,
-                           best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
+@dataclass
+class CheckpointStaging:
+    """The checkpoint being written (crash safety): while `staged` runs, the Trainer's writes go to the staging
+    folder (`output_dir`), and a hub push waits for the final name (`push`). Owned by the trainer."""
+
+    staging_root: str | None = None
+    deferred_push: Callable[[str], None] | None = None
+
+    def output_dir(self, run_dir: str) -> str:
+        """What `_get_output_dir` returns: the staging folder while a checkpoint is being written, else `run_dir`."""
+        return self.staging_root or run_dir
+
+    def push(self, checkpoint_folder: str, push: Callable[[str], None]) -> None:
+        """`_push_from_checkpoint`: a staged checkpoint is pushed (an async upload) once it has its final name."""
+        if self.staging_root is not None:
+            self.deferred_push = push
+        else:
+            push(checkpoint_folder)
+
+    @contextlib.contextmanager
+    def staged(self, trainer, trial) -> Iterator[None]:
+        """Around `Trainer._save_checkpoint`: its writes go to `tmp-checkpoint-N/checkpoint-N` (through
+        `_get_output_dir`), which becomes `checkpoint-N` only once complete; then rotation, best checkpoint, push."""
+        args, state = trainer.args, trainer.state
+        run_dir = trainer._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        staging_root = os.path.join(run_dir, f"{STAGING_PREFIX}-{state.global_step}")
+        staged, final = os.path.join(staging_root, name), os.path.join(run_dir, name)
+        if args.should_save and os.path.exists(staging_root):
+            shutil.rmtree(staging_root)  # an earlier save of this step that was killed
+        trainer.accelerator.wait_for_everyone()
+        self.staging_root, self.deferred_push = staging_root, None
+        try:
+            yield  # the Trainer's own save (its rotation sees only the staging folder: a no-op)
+        finally:
+            self.staging_root = None
+        # the best checkpoint as the Trainer would have recorded it under its final name (it saw the staging folder)
+        best_step = state.best_global_step
+        if best_step and args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST):
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best_step}")
+            if (best_step == state.global_step or os.path.isdir(best)) and state.best_model_checkpoint != best:
+                state.best_model_checkpoint = best
+                if args.should_save:
+                    state.save_to_json(os.path.join(staged, _STATE))
+        trainer.accelerator.wait_for_everyone()  # every rank has written its part
+        if args.should_save:
+            _finalize(staging_root, staged, final)
+        trainer.accelerator.wait_for_everyone()  # nobody goes on before checkpoint-N exists
+        if self.deferred_push is not None:
+            push, self.deferred_push = self.deferred_push, None
+            push(final)
+        if args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=args.save_total_limit,
+                               best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)

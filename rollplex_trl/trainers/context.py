@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from rollplex_trl.data.prompt import PreparedPrompt
-from rollplex_trl.prefix.batch import ActorPrefix
+from rollplex_trl.prefix.batch import ActorPrefix, StepPrefixes
 
 
 @dataclass
@@ -25,6 +25,9 @@ class BatchContext:
     generation_rows: list[PreparedPrompt] | None = None  # the generation batch being tokenized and sampled
     scored_rows: list[PreparedPrompt] | None = None  # one prepared prompt per row of the log-prob pass running now
     actor: tuple[ActorPrefix, torch.Tensor] | None = None  # the loss pass: window prefix and each row's prompt
+    # the prefix states the latest rollout built (decode window, kept prefill); replaced by each rollout, read by
+    # the scoring passes and, after the generation batch, by the actor window's first micro-batch
+    prefixes: StepPrefixes = field(default_factory=StepPrefixes)
 
     @contextlib.contextmanager
     def generating(self, rows: list[PreparedPrompt]) -> Iterator[None]:

@@ -32,36 +32,29 @@ import torch
 from trl import GRPOTrainer
 
 from rollplex_trl import trl_compat
+from rollplex_trl.backends import HfBackend, build_backend, refuse_backend_setup
+from rollplex_trl.backends.base import TrainingBackend
 from rollplex_trl.callbacks.trackers import TimelineImageCallback
 from rollplex_trl.config import rollplex_options
 from rollplex_trl.data.prepared import PREPARED_KEY, VIDEO_COLUMNS
 from rollplex_trl.data.prompt import PreparedPrompt, check_rows_match_ids, generation_fields
 from rollplex_trl.memory.model_dims import dims_from_config
 from rollplex_trl.overlap import OverlapExecutor, OverlapSchedule, PrefixJobs, Span, Timeline
-from rollplex_trl.prefix import suffix_logps, unwrap_model
+from rollplex_trl.prefix import unwrap_model
 from rollplex_trl.prefix.actor import ActorWindow
-from rollplex_trl.prefix.batch import prepared_rows_logps, shared_prefix_logps
+from rollplex_trl.prefix.batch import StepPrefixes
 from rollplex_trl.prefix.cost import SharingDecision
 from rollplex_trl.prefix.generation import PrefillForActor, prefill_for_rollout, shared_prefill
-from rollplex_trl.prefix.suffix_attention import suffix_attention_mode
 from rollplex_trl.rollout.trl_vllm import RollplexVLLMGeneration, VLLMRollout
-from rollplex_trl.rollout.weight_casts import frozen_weight_casts_kept
 from rollplex_trl.trainers.checkpoint import (
+    CheckpointStaging,
     ResumableRepeatSampler,
-    defer_push,
     load_model_weights,
     needs_converted_load,
     resolve_resume_argument,
-    staged_checkpoint,
-    staging_output_dir,
 )
 from rollplex_trl.trainers.context import BatchContext
 from rollplex_trl.trainers.media import DatasetPreparation, media_options
-from rollplex_trl.trainers.megatron import (
-    MegatronBackend,
-    TensorParallelReplicaSampler,
-    refuse_megatron_setup,
-)
 from rollplex_trl.trainers.memory import PhaseMemory, vllm_sleep_for_memory
 from rollplex_trl.trainers.rewards import reject_non_finite_rewards
 from rollplex_trl.trainers.support import Support, decide_support, log_notices, refuse_before_setup
@@ -83,14 +76,15 @@ class RollplexGRPOTrainer(GRPOTrainer):
     _tag_names = ["trl", "grpo", "rollplex"]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.checkpoint_staging = CheckpointStaging()  # first: the Trainer's setup may ask for its output folder
         arguments = trl_compat.trainer_init_arguments(*args, **kwargs)
         refuse_before_setup(arguments)
         if arguments.get("args") is not None:
             from accelerate import PartialState
 
-            refuse_megatron_setup(arguments["args"], peft_config=arguments.get("peft_config"),
-                                  world_size=PartialState().num_processes,
-                                  train_dataset=arguments.get("train_dataset"))
+            refuse_backend_setup(arguments["args"], peft_config=arguments.get("peft_config"),
+                                 world_size=PartialState().num_processes,
+                                 train_dataset=arguments.get("train_dataset"))
         config = arguments.get("args")
         vllm_dtype = rollplex_options(config)["rollplex_vllm_dtype"]
         # rollplex_memory="on": vLLM's sleep mode, set before TRL builds the engine
@@ -100,7 +94,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         with trl_compat.trl_builds_vllm_generation(functools.partial(RollplexVLLMGeneration, vllm_dtype=vllm_dtype)):
             super().__init__(*args, **kwargs)
         self.rollplex = rollplex_options(self.args)
-        self.megatron = self._build_megatron() if self.rollplex["rollplex_backend"] == "megatron" else None
+        self.backend: TrainingBackend = build_backend(self)
         self.support = self._decide_support()
         log_notices(self.support, self.accelerator.is_main_process)
         if sleep_notice is not None and self.accelerator.is_main_process:
@@ -112,10 +106,9 @@ class RollplexGRPOTrainer(GRPOTrainer):
             self.accelerator.autocast, trl_compat.pad_token_id(self),
             average_across_processes=self.support.average_actor_gradients,
             on_built=lambda: self.memory_ledger.sample() if self.memory_ledger is not None else None,
-            **({"build_prefix": self.megatron.build_actor_prefix} if self.megatron is not None else {}),
+            **({"build_prefix": self.backend.build_actor_prefix()} if self.backend.build_actor_prefix() else {}),
         ) if self.support.share_actor else None
         self.overlap = self._build_overlap() if self.support.overlap_window else None
-        self._prefill_for_actor: PrefillForActor | None = None  # the rollout's prefill kept for the actor window
         self.timeline = self.overlap.timeline if self.overlap is not None else Timeline()
         generation = getattr(self, "vllm_generation", None)
         self.vllm_rollout = VLLMRollout(generation, trl_compat.pad_token_id(self), self.accelerator.device) if (
@@ -153,11 +146,11 @@ class RollplexGRPOTrainer(GRPOTrainer):
     def _decide_suffix_attention(self) -> str:
         """"cascade" or "concat" for the shared-prefix suffix passes (prefix/suffix_attention.py), decided once from
         the configuration, the model and the device (the same on every rank); the Megatron backend has its own."""
-        if self.megatron is not None or not (self.support.share_scoring or self.support.share_actor):
+        if not (self.support.share_scoring or self.support.share_actor):
             return "concat"
-        mode, reason = suffix_attention_mode(self.rollplex["rollplex_suffix_attention"],
-                                             unwrap_model(self.accelerator.unwrap_model(self.model)),
-                                             self.accelerator.device)
+        mode, reason = self.backend.suffix_attention(self.rollplex["rollplex_suffix_attention"],
+                                                     unwrap_model(self.accelerator.unwrap_model(self.model)),
+                                                     self.accelerator.device)
         if reason is not None and self.accelerator.is_main_process:
             logger.warning("rollplex_suffix_attention=auto: concat (the prompt's K/V copied per row): %s", reason)
         return mode
@@ -209,22 +202,6 @@ class RollplexGRPOTrainer(GRPOTrainer):
         if self.sharing is not None and not self.sharing.decided:
             self._decide_sharing([ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)])
 
-    def _build_megatron(self) -> MegatronBackend:
-        ref = self.accelerator.unwrap_model(self.ref_model) if self.ref_model is not None else None
-        trl_compat.keep_model_unwrapped(self.accelerator, self.model)  # gradients are the backend's to reduce
-        return MegatronBackend(
-            rollout_model=self.accelerator.unwrap_model(self.model), ref_model=ref,
-            tensor_parallel_size=self.rollplex["rollplex_tensor_parallel_size"],
-            weight_mapping=self.rollplex["rollplex_weight_mapping"],
-            row_parallel_views=self.rollplex["rollplex_row_parallel_views"],
-            shm_all_reduce=self.rollplex["rollplex_shm_all_reduce"],
-            pooled_rollout=self.rollplex["rollplex_pooled_rollout"], use_vllm=self.use_vllm,
-            split_vision=self.rollplex["rollplex_split_vision"],
-            overlap=self.rollplex["rollplex_overlap"], activation_recompute=bool(self.args.gradient_checkpointing),
-            seed=self.args.seed,
-            record=lambda key, value: trl_compat.metrics(self, True)[key].append(value),
-            is_main_process=self.accelerator.is_main_process)
-
     def _build_overlap(self) -> OverlapSchedule:
         o = self.rollplex
         executor = OverlapExecutor(self.accelerator.device, cpu_threads=o["rollplex_overlap_threads"],
@@ -261,10 +238,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         window_is_generation = (self.args.steps_per_generation == self.args.gradient_accumulation_steps
                                 and self.num_iterations == 1)
         ref = self.accelerator.unwrap_model(self.ref_model) if self.beta != 0.0 and self.ref_model is not None else None
-        backend = {}
-        if self.megatron is not None:  # the Megatron models, built by its passes (a collective over the TP group)
-            policy, ref = self.megatron.policy, (self.megatron.ref if ref is not None else None)
-            backend["precompute"] = functools.partial(self.megatron.precompute_prefix, training=self.model.training)
+        policy, ref, backend = self.backend.prefix_job_models(policy, ref, training=self.model.training)
         # PEFT: the old pass would run the policy while its adapters are toggled for the reference (module state)
         return PrefixJobs(policy=policy, ref_model=ref, old=needs_old and not is_peft,
                           actor=self.support.share_actor and window_is_generation, autocast=self.accelerator.autocast,
@@ -283,17 +257,16 @@ class RollplexGRPOTrainer(GRPOTrainer):
         `checkpointing`: a `_training_checkpointing()` taken before generation (taken here if None)."""
         if self.overlap is None:
             return None
-        weights = [*self.model.parameters(), *(self.ref_model.parameters() if self.ref_model is not None else [])]
-        if self.megatron is not None:  # what the Megatron passes of the window read (the shards, the vision copy)
-            weights += [p for _, p in self.megatron.trainable()]
+        weights = [*self.model.parameters(), *(self.ref_model.parameters() if self.ref_model is not None else []),
+                   *self.backend.window_weights()]
         checkpointing = checkpointing or self._training_checkpointing()
 
         def window(input_ids: torch.Tensor, attention_mask: torch.Tensor):
             jobs = self._prefix_jobs(checkpointing).for_window(
                 input_ids, attention_mask, rows, training=self.model.training)
-            if self._prefill_for_actor is not None and self._prefill_for_actor.state is not None:
+            if self.batch.prefixes.actor is not None:
                 jobs = [(name, job) for name, job in jobs if name != "actor"]  # the prefill already built it
-            return self.overlap.window(jobs, weights, training=self.model.training)
+            return self.overlap.window(jobs, weights, training=self.model.training, into=self.batch.prefixes)
 
         return window
 
@@ -371,21 +344,17 @@ class RollplexGRPOTrainer(GRPOTrainer):
         return [list(r.prompt_ids) for r in rows], None, generation_fields(rows)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if self.megatron is not None:  # the on-policy barrier, then one view of the completions per TP group
-            self.megatron.sync_rollout()
-            pool = self.megatron.rollout_pool
-            if pool is None:  # every TP rank decodes
-                completion_ids, logprobs = self._rollout(prompt_ids, images, multimodal_fields, num_generations,
-                                                         has_tool_images)
-            elif pool.decodes:  # the group's first rank, with the group's threads
-                with pool.decoding():
-                    completion_ids, logprobs = self._rollout(prompt_ids, images, multimodal_fields,
-                                                             num_generations, has_tool_images, pool=pool)
-            else:  # a peer: the rollout's decode window only (its prefix jobs are TP collectives)
-                self._rollout_on_first_rank(prompt_ids, images, num_generations, has_tool_images, pool)
-                completion_ids = logprobs = None
-            return self.megatron.share_completions(completion_ids, logprobs)
-        return self._rollout(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        def rollout(pool):
+            return self._rollout(prompt_ids, images, multimodal_fields, num_generations, has_tool_images, pool=pool)
+
+        def peer(pool):  # a pooled rollout's non-decoding rank: its decode window only
+            self._rollout_on_first_rank(prompt_ids, images, num_generations, has_tool_images, pool)
+
+        try:
+            return self.backend.generate(rollout, peer)
+        except BaseException:
+            self.batch.prefixes = StepPrefixes()  # a failed rollout leaves no state (nor its graph) behind
+            raise
 
     def _takes_shared_prefill(self, images, rows, num_generations: int, has_tool_images: bool) -> bool:
         """Whether the transformers rollout prefills each prompt once (prefix/generation.py), which is where its
@@ -397,7 +366,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         """A TP peer's side of a pooled rollout (backends/megatron/pooled_rollout.py): the same decisions and
         decode window as the first rank's `_rollout`, waiting where it decodes."""
         self._decide_sharing(prompt_ids)
-        self._prefill_for_actor = None
+        self.batch.prefixes = StepPrefixes()  # this rollout's: nothing an earlier one built serves it
         rows = self.batch.generation_rows
         if not self._takes_shared_prefill(images, rows, num_generations, has_tool_images):
             pool.wait()
@@ -406,8 +375,9 @@ class RollplexGRPOTrainer(GRPOTrainer):
         checkpointing = self._training_checkpointing()
         prefill = self._rollout_prefill()
         if prefill is not None:  # the first rank's prefill is a TP collective: run it alongside, keep it alike
-            self._prefill_for_actor = PrefillForActor(wanted=self._actor_from_prefill, checkpointing=checkpointing)
-            prefill_for_rollout(prefill, input_ids, attention_mask, rows, for_actor=self._prefill_for_actor,
+            for_actor = PrefillForActor(wanted=self._actor_from_prefill, into=self.batch.prefixes,
+                                        checkpointing=checkpointing)
+            prefill_for_rollout(prefill, input_ids, attention_mask, rows, for_actor=for_actor,
                                 forward_context=self.accelerator.autocast)
         window = self._decode_window(rows, checkpointing)
         if window is None:
@@ -418,7 +388,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
 
     def _rollout(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images, pool=None):
         self._decide_sharing(prompt_ids)
-        self._prefill_for_actor = None  # a prefix kept by an earlier rollout never serves this one's window
+        self.batch.prefixes = StepPrefixes()  # this rollout's: nothing an earlier one built serves it
         rows = self.batch.generation_rows
         if self.vllm_rollout is not None:
             (completion_ids, logprobs), step = self.vllm_rollout.generate(
@@ -437,14 +407,15 @@ class RollplexGRPOTrainer(GRPOTrainer):
             self._record("rollplex/prefill_rows_per_prompt", rows_count / max(1, prompts))
 
         checkpointing = self._training_checkpointing()
-        self._prefill_for_actor = PrefillForActor(wanted=self._actor_from_prefill, checkpointing=checkpointing)
+        for_actor = PrefillForActor(wanted=self._actor_from_prefill, into=self.batch.prefixes,
+                                    checkpointing=checkpointing)
         prefill = self._rollout_prefill()
         window = self._decode_window(rows, checkpointing)
         # the prefill runs in the autocast accelerate wraps the model's forward in, as TRL's `generate` does
         with shared_prefill(self.accelerator.unwrap_model(self.model), rows, on_prefill=log,
                             decode_window=pool.window(window) if pool is not None else window,
                             shared_decode=self.rollplex["rollplex_shared_decode"], num_generations=num_generations,
-                            for_actor=self._prefill_for_actor,
+                            for_actor=for_actor,
                             compile_decode=self.rollplex["rollplex_compile_decode"],
                             forward_context=self.accelerator.autocast, decode_context=self._decode_weight_casts,
                             prefill=prefill):
@@ -477,7 +448,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
             actor = window.prefix_for(
                 self._trained_model(model), inputs["prompt_ids"], inputs["prompt_mask"], rows,
                 window_index=self.state.global_step, window_prompts=self._window_prompts,
-                precomputed=self._take_actor_prefix)
+                precomputed=self.batch.prefixes.take_actor)
         with self.batch.scoring(rows, actor):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
@@ -491,18 +462,15 @@ class RollplexGRPOTrainer(GRPOTrainer):
         window's jobs run the Megatron models' own parameters (`MegatronBackend.rollout_casts_cached`)."""
         if self.accelerator.mixed_precision == "no":
             return contextlib.nullcontext()
-        if self.megatron is not None:
-            return self.megatron.rollout_casts_cached()
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled or (
-                self.overlap is not None and self.overlap.graph_job_running):
-            return contextlib.nullcontext()
-        return frozen_weight_casts_kept(self.accelerator.unwrap_model(self.model))
+        return self.backend.decode_weight_casts(
+            self.accelerator.unwrap_model(self.model), sharded=self.is_deepspeed_enabled or self.is_fsdp_enabled,
+            concurrent_graph_job=self.overlap is not None and self.overlap.graph_job_running)
 
     def _rollout_prefill(self):
         """How the transformers rollout prefills (`shared_prefill(prefill=)`): None for the decoding model's own
         layers; on the Megatron backend its policy's prefix pass where that applies
         (`MegatronBackend.rollout_prefill`)."""
-        return self.megatron.rollout_prefill(training=self.model.training) if self.megatron is not None else None
+        return self.backend.rollout_prefill(training=self.model.training)
 
     def _actor_from_prefill(self) -> bool:
         """Whether this rollout's shared prefill can be the actor window's prefix: the window is this generation's
@@ -512,14 +480,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
         prefix job), and the prefill runs the policy: the transformers model that decodes, or on the Megatron
         backend its policy's prefix pass (`_rollout_prefill`)."""
         return (self.model.training and self.actor_window is not None and self.phase_memory is None
-                and (self.megatron is None or self._rollout_prefill() is not None)
+                and self.backend.prefill_serves_actor(training=self.model.training)
                 and self._policy_prefix_jobs().actor)
-
-    def _take_actor_prefix(self):
-        """The actor window's precomputed prefix: the rollout's prefill kept for it, else the decode window's job."""
-        kept = self._prefill_for_actor.take() if self._prefill_for_actor is not None else None
-        job = self.overlap.take("actor") if self.overlap is not None else None
-        return kept if kept is not None else job
 
     def _window_prompts(self):
         """The prompts of the micro-batches of this accumulation window that the current generation buffer serves
@@ -564,54 +526,38 @@ class RollplexGRPOTrainer(GRPOTrainer):
             check_rows_match_ids(rows, input_ids[:, : input_ids.size(1) - logits_to_keep])
         P = input_ids.size(1) - logits_to_keep
         self._decide_sharing_from_mask(input_ids[:, :P], attention_mask[:, :P])  # a custom rollout_func's batch
-        if self.batch.actor is not None:  # the policy's loss pass (either backend): suffix against the window's prefix
+        if self.batch.actor is not None:  # the policy's loss pass: suffix against the accumulation window's prefix
             actor, row_to_prompt = self.batch.actor
-            suffix = (self.megatron.actor_suffix_logps if self.megatron is not None
-                      else functools.partial(suffix_logps, attention=self.suffix_attention))
             with self.accelerator.autocast():
-                logps, entropies = suffix(
+                logps, entropies = self.backend.actor_suffix_logps(
                     self._trained_model(model), actor.leaf_state, row_to_prompt, input_ids[:, P:],
                     attention_mask[:, P:], temperature=self.temperature, compute_entropy=compute_entropy)
             self._log_prefix_use(actor.rows or input_ids.size(0), len(actor.key_to_prompt))
             return logps, entropies, None
-        if self.megatron is not None:  # the other passes (reference, old, actor outside a window) on Megatron
-            share = self.support.share_scoring and self._shareable(rows, vision_kwargs)
-            precomputed = None
-            if share and not torch.is_grad_enabled() and self.overlap is not None:  # built in the decode window
-                precomputed = self.overlap.take("ref" if model is self.ref_model else "old")
-            logps, entropies, num_prompts = self.megatron.logps_and_entropies(
-                reference=model is self.ref_model, input_ids=input_ids, attention_mask=attention_mask,
-                logits_to_keep=logits_to_keep, batch_size=batch_size, temperature=self.temperature,
-                compute_entropy=compute_entropy, rows=rows, vision_kwargs=vision_kwargs,
-                autocast=self.accelerator.autocast, training=self.model.training, share_prefix=share,
-                prompts_per_chunk=self.rollplex["rollplex_prefix_chunk_prompts"], precomputed=precomputed)
-            if num_prompts is not None:
-                self._log_prefix_use(input_ids.size(0), num_prompts)
-            return logps, entropies, None
-        share = self.support.share_actor if torch.is_grad_enabled() else self.support.share_scoring
-        if share and self._shareable(rows, vision_kwargs):  # each prompt once per call, in one graph
-            precomputed = None
-            if not torch.is_grad_enabled() and self.overlap is not None:
-                precomputed = self.overlap.take("ref" if model is self.ref_model else "old")
-            with self.accelerator.autocast():
-                logps, entropies, num_prompts = shared_prefix_logps(
-                    self.accelerator.unwrap_model(model), input_ids, attention_mask, logits_to_keep, rows,
-                    temperature=self.temperature, compute_entropy=compute_entropy,
-                    prompts_per_chunk=self.rollplex["rollplex_prefix_chunk_prompts"], precomputed=precomputed,
-                    suffix_fn=functools.partial(suffix_logps, attention=self.suffix_attention))
-            self._log_prefix_use(input_ids.size(0), num_prompts)
-            return logps, entropies, None
-        if rows is None:
+        # every other pass (reference, old, the actor outside a window): each prompt once per call where it can
+        share = self.support.share_scoring and self._shareable(rows, vision_kwargs)
+        precomputed = None
+        if share and not torch.is_grad_enabled() and self.overlap is not None:  # built in the decode window
+            precomputed = self.batch.prefixes.take_scoring(reference=model is self.ref_model)
+        result = self.backend.logps_and_entropies(
+            model, reference=model is self.ref_model, input_ids=input_ids, attention_mask=attention_mask,
+            logits_to_keep=logits_to_keep, batch_size=batch_size, temperature=self.temperature,
+            compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, rows=rows,
+            vision_kwargs=vision_kwargs, autocast=self.accelerator.autocast, training=self.model.training,
+            share_prefix=share, prompts_per_chunk=self.rollplex["rollplex_prefix_chunk_prompts"],
+            precomputed=precomputed)
+        if result is None:  # TRL's own pass
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
-                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **vision_kwargs,
-            )
-        return prepared_rows_logps(model, rows, input_ids, attention_mask, logits_to_keep, batch_size,
-                                   compute_entropy, compute_aux_loss, self.accelerator.autocast)
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **vision_kwargs)
+        logps, entropies, num_prompts = result
+        if num_prompts is not None:
+            self._log_prefix_use(input_ids.size(0), num_prompts)
+        return logps, entropies, None
 
     def _trained_model(self, model):
-        """The module the actor's passes run: the unwrapped policy, or the Megatron backend's policy."""
-        return self.megatron.policy if self.megatron is not None else self.accelerator.unwrap_model(model)
+        """The module the actor's passes run: the unwrapped policy, or the backend's own copy of it."""
+        return self.backend.trained_model(model)
 
     def _log_prefix_use(self, rows: int, prompts: int) -> None:
         """`rollplex/prefix_rows_per_prompt`: completions served per prefix forward (G when a pass sees whole groups;
@@ -656,9 +602,10 @@ class RollplexGRPOTrainer(GRPOTrainer):
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if distributed:
             self.accelerator.wait_for_everyone()
-        if self.megatron is not None:  # the rollout model takes the last weights, then the backend lets go
-            self.megatron.release_process_groups()
-            self.megatron = None  # what remains (saving, inference) is the transformers model's
+        # the rollout model takes the last weights, then the backend lets go; what remains (saving, inference) is
+        # the transformers model's
+        self.backend.close()
+        self.backend = HfBackend(self.accelerator.unwrap_model)
         if hasattr(super(), "end"):  # transformers >= 5.18
             super().end()
         else:
@@ -683,52 +630,34 @@ class RollplexGRPOTrainer(GRPOTrainer):
         if type(sampler) is trl_compat.RepeatSampler:
             sampler = ResumableRepeatSampler.from_sampler(sampler)
         loader_batch = trl_compat.train_batch_size(self) * self.args.steps_per_generation  # TRL's loader batch
-        return self._replicate_over_tensor_parallel(sampler, loader_batch, generation_batches=True)
+        return self.backend.wrap_sampler(sampler, loader_batch, generation_batches=True)
 
     def _get_eval_sampler(self, eval_dataset):
-        return self._replicate_over_tensor_parallel(super()._get_eval_sampler(eval_dataset),
-                                                    self.args.per_device_eval_batch_size, generation_batches=False)
-
-    def _replicate_over_tensor_parallel(self, sampler, loader_batch_size: int, generation_batches: bool):
-        """Megatron TP: the t ranks of a TP group get the same rows (trainers/megatron.py)."""
-        if self.megatron is None or self.megatron.groups.tp_size == 1:
-            return sampler
-        t = self.megatron.groups.tp_size
-        if generation_batches and isinstance(sampler, trl_compat.RepeatSampler):
-            # TRL sized the generation batch for the world; the distinct rows are those of the DP ranks
-            if sampler.batch_size % t:
-                raise ValueError(f"the generation batch of {sampler.batch_size} prompts cannot be split over "
-                                 f"rollplex_tensor_parallel_size={t} without splitting a group; choose "
-                                 "per_device_train_batch_size / steps_per_generation so it divides")
-            sampler.batch_size //= t
-        return TensorParallelReplicaSampler(sampler, loader_batch_size, t)
+        return self.backend.wrap_sampler(super()._get_eval_sampler(eval_dataset),
+                                         self.args.per_device_eval_batch_size, generation_batches=False)
 
     # ------------------------------------------------------------------------------------------------------------
     # Optimizer (the Megatron backend trains its own parameters, not `self.model`'s)
     # ------------------------------------------------------------------------------------------------------------
 
     def create_optimizer(self, model=None):
-        if self.megatron is None:
-            if self.optimizer is None and self.phase_memory is not None:  # optimizer state streamed in chunks
-                self.optimizer = self.phase_memory.create_optimizer(self, model)  # None: not streamable
-            return super().create_optimizer(model)
         if self.optimizer is None:
-            self.optimizer = self.megatron.create_optimizer(self.args)
-        return self.optimizer
+            self.optimizer = self.backend.create_optimizer(self.args)  # None: transformers builds it
+        if self.optimizer is None and self.phase_memory is not None:  # optimizer state streamed in chunks
+            self.optimizer = self.phase_memory.create_optimizer(self, model)  # None: not streamable
+        return super().create_optimizer(model)
 
     def _clip_grad_norm(self, model):
-        if self.megatron is None:
-            return super()._clip_grad_norm(model)
-        return self.megatron.grad_norm(self.args.max_grad_norm)
+        norm = self.backend.clip_grad_norm(self.args.max_grad_norm)
+        return norm if norm is not None else super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model, grad_norm=None):
-        if self.megatron is None:
-            return super()._get_grad_norm(model, grad_norm=grad_norm)
-        return grad_norm if grad_norm is not None else self.megatron.grad_norm(None)
+        if grad_norm is None:
+            grad_norm = self.backend.clip_grad_norm(None)  # None on the hf backend: transformers measures it
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     def save_model(self, output_dir=None, _internal_call=False):
-        if self.megatron is not None:  # the transformers model is what is saved: bring it to the trained weights
-            self.megatron.sync_rollout()
+        self.backend.sync_rollout()  # the transformers model is what is saved: at the trained weights
         return super().save_model(output_dir, _internal_call)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
@@ -739,18 +668,16 @@ class RollplexGRPOTrainer(GRPOTrainer):
             load_model_weights(target, resume_from_checkpoint)
         else:
             super()._load_from_checkpoint(resume_from_checkpoint, model=model)
-        if self.megatron is not None:  # the training shards from the loaded transformers weights
-            self.megatron.reload_from_rollout(target)
+        self.backend.after_checkpoint_load(target)  # Megatron: the training shards from the loaded weights
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        if self.megatron is not None:  # TP rank r > 0's optimizer state (trainers/megatron.py)
-            self.megatron.save_optimizer_shard(self.optimizer, output_dir)
+        self.backend.save_optimizer_state(self.optimizer, output_dir)  # Megatron: TP rank r > 0's shard
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
-        if self.megatron is not None and checkpoint is not None:
-            self.megatron.load_optimizer_shard(self.optimizer, checkpoint)
+        if checkpoint is not None:
+            self.backend.load_optimizer_state(self.optimizer, checkpoint)
 
     def _load_best_model(self) -> None:
         # load_best_model_at_end reads checkpoints the same plain way: same correction
@@ -762,16 +689,15 @@ class RollplexGRPOTrainer(GRPOTrainer):
         super()._load_best_model()
 
     def _save_checkpoint(self, model, trial) -> None:
-        if self.megatron is not None:
-            self.megatron.sync_rollout()
+        self.backend.sync_rollout()
         # written into tmp-checkpoint-N, renamed to checkpoint-N once complete (crash safety: trainers/checkpoint.py)
-        with staged_checkpoint(self, trial):
+        with self.checkpoint_staging.staged(self, trial):
             super()._save_checkpoint(model, trial)
 
     def _get_output_dir(self, trial) -> str:
         # while a checkpoint is written, the Trainer's (and TRL's) writes go to its staging folder
-        return staging_output_dir(self, super()._get_output_dir(trial))
+        return self.checkpoint_staging.output_dir(super()._get_output_dir(trial))
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         # a staged checkpoint is uploaded once it has its final name
-        defer_push(self, checkpoint_folder, super()._push_from_checkpoint)
+        self.checkpoint_staging.push(checkpoint_folder, super()._push_from_checkpoint)

@@ -163,8 +163,8 @@ def equivalence_checks(path, t: int, record) -> None:
     for p, g in zip(ref_params, hf_grads.values()):
         p.grad = g.clone()
     ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, max_norm=0.5)
-    measured = clip_grad_norm_tensor_parallel(policy.parameters(), None, groups)
-    norm = clip_grad_norm_tensor_parallel(policy.parameters(), 0.5, groups)
+    measured = clip_grad_norm_tensor_parallel(policy.parameters(), None, groups, policy.duplicate_rows)
+    norm = clip_grad_norm_tensor_parallel(policy.parameters(), 0.5, groups, policy.duplicate_rows)
     record("grad norm == torch clip_grad_norm_ over HF grads", abs(norm.item() - ref_norm.item())
            <= 1e-5 * ref_norm.item() and abs(measured.item() - norm.item()) == 0.0,
            f"{norm.item():.6f} vs {ref_norm.item():.6f}", abs(norm.item() - ref_norm.item()) / ref_norm.item())
@@ -311,7 +311,7 @@ def kv_replication_checks(path, t: int, record) -> None:
     worst = max(rel_err(p.grad, want[n].view_as(p.grad)) for n, p in policy.gpt.named_parameters())
     record("kv replicated: grads", worst <= GRAD_RTOL, "", worst)
     ref_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in hf_grads.values()]))
-    norm = clip_grad_norm_tensor_parallel(policy.parameters(), None, groups)
+    norm = clip_grad_norm_tensor_parallel(policy.parameters(), None, groups, policy.duplicate_rows)
     err = abs(norm.item() - ref_norm.item()) / ref_norm.item()
     record("kv replicated: grad norm counts k/v rows once", err <= 1e-5, f"{norm.item()} vs {ref_norm.item()}", err)
     sd = policy.hf_state_dict()

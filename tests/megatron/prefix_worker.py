@@ -199,7 +199,7 @@ def rollout_prefill(policy, groups=None, all_reduce=None):
     rollout: every rank decodes)."""
     from types import SimpleNamespace
 
-    from rollplex_trl.trainers.megatron import MegatronBackend
+    from rollplex_trl.backends.megatron.backend import MegatronBackend
 
     backend = SimpleNamespace(policy=policy, groups=groups or policy.groups, rollout_pool=None, all_reduce=all_reduce)
     return MegatronBackend.rollout_prefill(backend, training=True)

@@ -28,7 +28,7 @@ PAGE = 4096
 
 
 def _backend(path, dtype=torch.float32, mapping="on", **kwargs):
-    from rollplex_trl.trainers.megatron import MegatronBackend
+    from rollplex_trl.backends.megatron.backend import MegatronBackend
 
     records: list[tuple[str, float]] = []
     rollout = mw.load_hf(path, dtype=dtype)
@@ -254,7 +254,7 @@ def test_on_needs_the_megatron_backend():
 
 
 def test_vllm_server_mode_is_refused_colocate_is_not():
-    from rollplex_trl.trainers.megatron import refuse_megatron_setup
+    from rollplex_trl.backends.megatron.backend import refuse_megatron_setup
 
     def config(**kw):
         return SimpleNamespace(rollplex_backend="megatron", rollplex_tensor_parallel_size=1, deepspeed=None,

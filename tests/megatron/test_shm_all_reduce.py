@@ -258,7 +258,7 @@ def _routing(mode: str):
     """MegatronBackend._route_all_reduce at t = 2 on CPU, on a stand-in backend (only its groups are read)."""
     from types import SimpleNamespace
 
-    from rollplex_trl.trainers.megatron import MegatronBackend
+    from rollplex_trl.backends.megatron.backend import MegatronBackend
 
     backend = SimpleNamespace(groups=SimpleNamespace(tp_size=2, tp_group=None))
     return MegatronBackend._route_all_reduce(backend, mode, torch.device("cpu"))

@@ -90,8 +90,8 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     casts = _count_rollout_weight_casts(trainer) if bf16 and backend == "megatron" else None
     prefills = _count_prefix_passes() if backend == "megatron" else None
     tower_items: list[int] = []  # items (grid rows) per call of the trained vision tower (rollplex_split_vision)
-    if backend == "megatron" and trainer.megatron.policy.visual is not None:
-        trainer.megatron.policy.visual.register_forward_pre_hook(
+    if backend == "megatron" and trainer.backend.policy.visual is not None:
+        trainer.backend.policy.visual.register_forward_pre_hook(
             lambda _m, args, kwargs: tower_items.append(len(kwargs["grid_thw"])), with_kwargs=True)
     grads = _record_gradients(trainer) if "grads" in flags else None
     if resume:
@@ -100,8 +100,8 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         if dist.is_initialized():
             dist.barrier()  # rank 0 copied the checkpoint
     trainer.train(resume_from_checkpoint=resume)
-    if trainer.megatron is not None:
-        trainer.megatron.sync_rollout()
+    if trainer.backend.name == "megatron":
+        trainer.backend.sync_rollout()
     if "save" in flags:
         trainer.save_model(f"{out}/final-{tag}")
     from rollplex_trl.backends.megatron.split_k import logical_parameters
@@ -117,19 +117,19 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
                   ("rollplex/sync", "rollplex/overlap_active", "rollplex/prefix_s", "sampling/sampling_logp"))}
                        for r in trainer.state.log_history if "loss" in r],
               "steps": [r["step"] for r in trainer.state.log_history if "loss" in r]}
-    if trainer.megatron is not None:
-        result["rollout"] = _rollout_binding(trainer.megatron, model)
-        all_reduce = trainer.megatron.all_reduce
+    if trainer.backend.name == "megatron":
+        result["rollout"] = _rollout_binding(trainer.backend, model)
+        all_reduce = trainer.backend.all_reduce
         result["shm_all_reduce_calls"] = all_reduce.calls if all_reduce is not None else 0
-        pool = trainer.megatron.rollout_pool
+        pool = trainer.backend.rollout_pool
         result["pooled_threads"] = pool.pooled_threads if pool is not None else 0
         # LLM layers whose activations are recomputed in the backward (gradient_checkpointing)
         result["recompute_layers"] = sum(bool(vars(layer).get("rollplex_recompute"))
-                                         for layer in trainer.megatron.policy.gpt.decoder.layers)
+                                         for layer in trainer.backend.policy.gpt.decoder.layers)
         if casts is not None:
             result["rollout_weight_casts"] = casts
         result["prefix_passes"] = prefills
-        result["split_vision"] = trainer.megatron.vision_split is not None
+        result["split_vision"] = trainer.backend.vision_split is not None
         result["tower_items"] = tower_items
         result["rollout_frozen"] = not any(p.requires_grad for p in model.parameters())
     Path(out, f"{tag}-rank{rank}.json").write_text(json.dumps(result))
@@ -152,11 +152,11 @@ def _record_gradients(trainer) -> list[dict]:
     clip = trainer._clip_grad_norm
 
     def recording(model):
-        if trainer.megatron is None:
+        if trainer.backend.name != "megatron":
             grads = {n: p.grad.detach().float().clone() for n, p in trainer.accelerator.unwrap_model(
                 model).named_parameters() if p.grad is not None}
         else:
-            backend = trainer.megatron
+            backend = trainer.backend
             backend.grad_norm(None)  # the reductions (once per step), no clipping yet
             policy = backend.policy
             zeros = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in policy.gpt.named_parameters()}

@@ -41,7 +41,7 @@ def test_megatron_backend_trains_through_the_vllm_engine(small_qwen2_path, tmp_p
         vllm_gpu_memory_utilization=0.3, rollplex_vllm_dtype="float32", rollplex_backend="megatron",
         rollplex_weight_mapping="on")  # pinned, not an auto decision
     trainer = RollplexGRPOTrainer(model=small_qwen2_path, reward_funcs=reward, args=args, train_dataset=dataset)
-    assert isinstance(trainer.megatron.rollout, MappedRolloutWeights)
+    assert isinstance(trainer.backend.rollout, MappedRolloutWeights)
     trainer.train()
 
     logs = [r for r in trainer.state.log_history if "loss" in r]
@@ -53,11 +53,11 @@ def test_megatron_backend_trains_through_the_vllm_engine(small_qwen2_path, tmp_p
         # every tensor copied into vLLM (none aliased: that would move the model's tensors off the shards)
         assert row["rollplex/weight_sync_bytes"] == 4 * params and row["rollplex/weight_sync_aliased_bytes"] == 0
     for row in logs[1:]:  # the shards -> transformers hop: only what the plan copies
-        assert row["rollplex/sync_bytes_copied"] == trainer.megatron.rollout.bytes_copied_per_sync
+        assert row["rollplex/sync_bytes_copied"] == trainer.backend.rollout.bytes_copied_per_sync
 
     model = trainer.accelerator.unwrap_model(trainer.model).eval()
-    trainer.megatron.sync_rollout()  # the last optimizer step, into the transformers model
-    trained = trainer.megatron.policy.hf_state_dict()
+    trainer.backend.sync_rollout()  # the last optimizer step, into the transformers model
+    trained = trainer.backend.policy.hf_state_dict()
     assert all(torch.equal(p, trained[n]) for n, p in model.named_parameters())
     engine = trainer.vllm_generation.engine
     assert max_gap(engine, model) > 1e-3  # not pushed to vLLM yet

@@ -1,4 +1,5 @@
-"""`rollplex_backend="megatron"` inside RollplexGRPOTrainer: what changes around TRL's step, and why.
+"""`MegatronBackend`: the `TrainingBackend` (backends/base.py) of `rollplex_backend="megatron"`: what changes around
+TRL's step, and why.
 
 The LLM trains as Megatron-Core's GPTModel, tensor-parallel over t ranks (`backends/megatron/`); the vision tower
 is replicated (a trainable copy on every rank); the transformers model TRL built stays the **rollout engine** (its
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -37,6 +39,7 @@ from torch.utils.data import Sampler
 
 from rollplex_trl.data.prompt import PreparedPrompt, token_type_ids, vision_inputs
 from rollplex_trl.prefix.generation import BackendPrefill
+from rollplex_trl.rollout.sources import bind_weights
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +119,8 @@ def _decay_groups(named: Sequence[tuple[str, nn.Parameter]], weight_decay: float
 class MegatronBackend:
     """The trainer's Megatron component: the training model(s), the rollout binding, gradient reduction."""
 
+    name = "megatron"
+
     def __init__(self, *, rollout_model: nn.Module, ref_model: nn.Module | None, tensor_parallel_size: int,
                  seed: int, record: Callable[[str, float], None], is_main_process: bool,
                  weight_mapping: str = "auto", shm_all_reduce: str = "auto", pooled_rollout: str = "auto",
@@ -143,7 +148,7 @@ class MegatronBackend:
             recompute_note = f"every LLM layer ({enable_layer_recompute(self.policy.gpt)}, gradient_checkpointing)"
         self._rollout_model = rollout_model
         # read by the vLLM engine's weight sync: it must copy from this model, not move its tensors into vLLM's
-        rollout_model.rollplex_weights_bound_to = "the Megatron training shards"
+        bind_weights(rollout_model, "the Megatron training shards")
         self.rollout, not_mapped = self._bind_rollout(weight_mapping, row_parallel_views, use_vllm,
                                                       log=is_main_process)
         self.all_reduce, all_reduce_note = self._route_all_reduce(shm_all_reduce, rollout_model.device)
@@ -161,6 +166,26 @@ class MegatronBackend:
         from transformers import set_seed
 
         set_seed(seed + self.groups.dp_rank)
+
+    @classmethod
+    def from_trainer(cls, trainer: Any) -> MegatronBackend:
+        """Built from a `RollplexGRPOTrainer` after TRL's setup: its models and `rollplex_*` options."""
+        from rollplex_trl import trl_compat
+
+        options, accelerator = trainer.rollplex, trainer.accelerator
+        ref = accelerator.unwrap_model(trainer.ref_model) if trainer.ref_model is not None else None
+        trl_compat.keep_model_unwrapped(accelerator, trainer.model)  # gradients are the backend's to reduce
+        return cls(
+            rollout_model=accelerator.unwrap_model(trainer.model), ref_model=ref,
+            tensor_parallel_size=options["rollplex_tensor_parallel_size"],
+            weight_mapping=options["rollplex_weight_mapping"],
+            row_parallel_views=options["rollplex_row_parallel_views"],
+            shm_all_reduce=options["rollplex_shm_all_reduce"], pooled_rollout=options["rollplex_pooled_rollout"],
+            use_vllm=trainer.use_vllm, split_vision=options["rollplex_split_vision"],
+            overlap=options["rollplex_overlap"],
+            activation_recompute=bool(trainer.args.gradient_checkpointing), seed=trainer.args.seed,
+            record=lambda key, value: trl_compat.metrics(trainer, True)[key].append(value),
+            is_main_process=accelerator.is_main_process)
 
     def _bind_rollout(self, mode: str, views: str = "off", use_vllm: bool = False, log: bool = True):
         """The rollout model's weights bound to the training parameters (rollplex_weight_mapping): mapped onto
@@ -276,6 +301,85 @@ class MegatronBackend:
             return self.policy.visual.get_parameter(name.removeprefix("visual."))
         return self.policy.gpt.get_parameter(name.removeprefix("language_model."))
 
+    # ---- the TrainingBackend interface (backends/base.py) over the methods below ----------------------------------
+
+    def trained_model(self, model: nn.Module) -> nn.Module:
+        return self.policy
+
+    def prefix_job_models(self, policy: nn.Module, ref: nn.Module | None, *, training: bool
+                          ) -> tuple[nn.Module, nn.Module | None, dict[str, Any]]:
+        """The Megatron models, built by its passes (a collective over the TP group)."""
+        return (self.policy, self.ref if ref is not None else None,
+                {"precompute": functools.partial(self.precompute_prefix, training=training)})
+
+    def window_weights(self) -> list[torch.Tensor]:
+        return [p for _, p in self.trainable()]  # what the window's passes read: the shards, the vision copy
+
+    def build_actor_prefix(self) -> Callable[..., Any]:
+        return _megatron_actor_prefix
+
+    def suffix_attention(self, mode: str, causal_lm: nn.Module, device: torch.device) -> tuple[str, str | None]:
+        if mode == "cascade":
+            raise ValueError("rollplex_suffix_attention='cascade' cannot run on the Megatron backend: it has its own "
+                             "suffix pass (backends/megatron/prefix.py); use 'auto' or 'concat'")
+        return "concat", None  # not a fallback to report: this backend's suffix pass is its own
+
+    def generate(self, rollout: Callable[[Any], tuple[list[list[int]], Any]], peer: Callable[[Any], None]
+                 ) -> tuple[list[list[int]], Any]:
+        """The on-policy barrier, then one view of the completions per TP group: every rank decodes, or (pooled)
+        the group's first rank with the group's threads while its peers run the decode window only (its prefix
+        jobs are TP collectives)."""
+        self.sync_rollout()
+        pool = self.rollout_pool
+        if pool is None:
+            completion_ids, logprobs = rollout(None)
+        elif pool.decodes:
+            with pool.decoding():
+                completion_ids, logprobs = rollout(pool)
+        else:
+            peer(pool)
+            completion_ids = logprobs = None
+        return self.share_completions(completion_ids, logprobs)
+
+    def prefill_serves_actor(self, *, training: bool) -> bool:
+        return self.rollout_prefill(training=training) is not None
+
+    def decode_weight_casts(self, policy: nn.Module, *, concurrent_graph_job: bool, sharded: bool
+                            ) -> contextlib.AbstractContextManager:
+        # the whole rollout model is frozen, and the window's jobs run the Megatron models' own parameters
+        return self.rollout_casts_cached()
+
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        return self.grad_norm(max_norm)
+
+    def after_checkpoint_load(self, model: nn.Module) -> None:
+        self.reload_from_rollout(model)
+
+    def save_optimizer_state(self, optimizer: torch.optim.Optimizer, folder: str) -> None:
+        self.save_optimizer_shard(optimizer, folder)
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, folder: str) -> None:
+        self.load_optimizer_shard(optimizer, folder)
+
+    def wrap_sampler(self, sampler: Sampler, loader_batch_size: int, *, generation_batches: bool) -> Sampler:
+        """TP: the t ranks of a TP group get the same rows (`TensorParallelReplicaSampler`)."""
+        from rollplex_trl import trl_compat
+
+        t = self.groups.tp_size
+        if t == 1:
+            return sampler
+        if generation_batches and isinstance(sampler, trl_compat.RepeatSampler):
+            # TRL sized the generation batch for the world; the distinct rows are those of the DP ranks
+            if sampler.batch_size % t:
+                raise ValueError(f"the generation batch of {sampler.batch_size} prompts cannot be split over "
+                                 f"rollplex_tensor_parallel_size={t} without splitting a group; choose "
+                                 "per_device_train_batch_size / steps_per_generation so it divides")
+            sampler.batch_size //= t
+        return TensorParallelReplicaSampler(sampler, loader_batch_size, t)
+
+    def close(self) -> None:
+        self.release_process_groups()
+
     # ---- optimizer ----------------------------------------------------------------------------------------------
 
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
@@ -372,7 +476,7 @@ class MegatronBackend:
             average_data_parallel_gradients(params, self.groups)
             share_replicated_gradients(params, self.groups)  # replicas step alike whatever the kernels rounded
             self._reduced = True
-        return clip_grad_norm_tensor_parallel(params, max_norm, self.groups)
+        return clip_grad_norm_tensor_parallel(params, max_norm, self.groups, self.policy.duplicate_rows)
 
     # ---- rollout ------------------------------------------------------------------------------------------------
 
@@ -425,15 +529,8 @@ class MegatronBackend:
 
     # ---- the actor's prefix per accumulation window (prefix/actor.py drives it) -----------------------------------
 
-    @staticmethod
-    def build_actor_prefix(policy, prompt_ids, prompt_mask, rows, *, keep_graph: bool):
-        from rollplex_trl.backends.megatron.prefix import run_megatron_prefix
-
-        return run_megatron_prefix(policy, prompt_ids, prompt_mask, rows, keep_graph=keep_graph)
-
-    @staticmethod
-    def actor_suffix_logps(policy, state, row_to_prompt, completion_ids, completion_mask, *, temperature: float,
-                           compute_entropy: bool):
+    def actor_suffix_logps(self, policy, state, row_to_prompt, completion_ids, completion_mask, *,
+                           temperature: float, compute_entropy: bool):
         from rollplex_trl.backends.megatron.prefix import megatron_suffix_logps
 
         policy.train(True)
@@ -488,15 +585,17 @@ class MegatronBackend:
 
     # ---- log-probs ----------------------------------------------------------------------------------------------
 
-    def logps_and_entropies(self, *, reference: bool, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                            logits_to_keep: int, batch_size: int | None, temperature: float, compute_entropy: bool,
-                            rows: Sequence[PreparedPrompt] | None, vision_kwargs: dict[str, Any],
-                            autocast: Callable[[], Any], training: bool, share_prefix: bool = False,
-                            prompts_per_chunk: int = 8, precomputed: Any = None):
+    def logps_and_entropies(self, model: nn.Module | None = None, *, reference: bool, input_ids: torch.Tensor,
+                            attention_mask: torch.Tensor, logits_to_keep: int, batch_size: int | None,
+                            temperature: float, compute_entropy: bool, rows: Sequence[PreparedPrompt] | None,
+                            vision_kwargs: dict[str, Any], autocast: Callable[[], Any], training: bool,
+                            share_prefix: bool = False, prompts_per_chunk: int = 8, precomputed: Any = None,
+                            compute_aux_loss: bool = False):
         """TRL's `_get_per_token_logps_and_entropies` on the Megatron model: with `share_prefix`, each unique
         prompt's prefix once and the completions against its K/V (backends/megatron/prefix.py; exact, gradients
         included), else the full rows chunked like TRL's. `precomputed`: the prefix states the decode window built
-        for these prompts (`precompute_prefix`). Returns (log-probs, entropies, unique prompts or None)."""
+        for these prompts (`precompute_prefix`). Returns (log-probs, entropies, unique prompts or None). `model`
+        (the transformers model TRL passes) is not run: the Megatron copy of the policy or reference is."""
         model = self.ref if reference else self.policy
         if model is None:
             raise RuntimeError("internal error: reference log-probs requested without a reference model")
@@ -527,6 +626,13 @@ class MegatronBackend:
             if compute_entropy:
                 all_entropies.append(entropies)
         return torch.cat(all_logps), (torch.cat(all_entropies) if compute_entropy else None), None
+
+
+def _megatron_actor_prefix(policy, prompt_ids, prompt_mask, rows, *, keep_graph: bool):
+    """The actor window's prefix on the Megatron policy (`ActorWindow(build_prefix=)`)."""
+    from rollplex_trl.backends.megatron.prefix import run_megatron_prefix
+
+    return run_megatron_prefix(policy, prompt_ids, prompt_mask, rows, keep_graph=keep_graph)
 
 
 def _chunk_vision(vision_kwargs: dict[str, Any], start: int, end: int, rows: int) -> dict[str, Any]:

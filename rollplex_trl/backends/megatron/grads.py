@@ -1,7 +1,7 @@
 """Gradient reduction for the Megatron backend: data-parallel averaging and a tensor-parallel-aware norm clip.
 
 Within a TP group, a parameter megatron marks ``tensor_model_parallel=True`` holds a different shard on every rank
-(except rows MegatronPolicy marks ``rollplex_tp_duplicate_rows``: KV groups replicated over ranks); every other
+(except rows ``MegatronPolicy.duplicate_rows`` names: KV groups replicated over ranks); every other
 parameter (norms, biases of row-parallel layers, the replicated vision tower) is replicated and, after
 Megatron's own all-reduces in backward, has the same gradient on every rank of the group; with the vision tower's
 items split over the TP ranks (rollplex_split_vision) its gradients are summed over TP first.
@@ -9,7 +9,7 @@ items split over the TP ranks (rollplex_split_vision) its gradients are summed o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -123,9 +123,13 @@ def sum_of_squares(grad: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_grad_norm_tensor_parallel(params: Iterable[torch.nn.Parameter], max_norm: float | None,
-                                   groups: ParallelGroups) -> torch.Tensor:
+                                   groups: ParallelGroups,
+                                   duplicate_rows: Mapping[torch.nn.Parameter, torch.Tensor] | None = None
+                                   ) -> torch.Tensor:
     """The global L2 norm of the gradients of the whole (unsharded) model, and clip to ``max_norm`` like
     ``torch.nn.utils.clip_grad_norm_`` (``max_norm`` None or 0: measure only). Same result on every rank.
+    `duplicate_rows`: for a sharded parameter, the rows a lower TP rank holds too (`MegatronPolicy.duplicate_rows`),
+    counted once.
 
     Accumulated in fp64 (`sum_of_squares`): a long tensor's fp32 norm is off by up to 1e-4-1e-3 relative on CPU,
     by an amount that depends on how the tensor is cut (TP shards vs the whole HF tensor), and the clip scales the
@@ -136,7 +140,7 @@ def clip_grad_norm_tensor_parallel(params: Iterable[torch.nn.Parameter], max_nor
             continue
         if getattr(p, "tensor_model_parallel", False):
             sharded.append(p.grad)
-            dup = getattr(p, "rollplex_tp_duplicate_rows", None)  # set by MegatronPolicy: rows a lower rank holds
+            dup = (duplicate_rows or {}).get(p)
             counted.append(p.grad if dup is None else p.grad[~dup.to(p.grad.device)])
         else:
             replicated.append(p.grad)

@@ -115,9 +115,11 @@ class MegatronPolicy(nn.Module):
         self._hf_shapes = {n: p.shape for n, p in hf_params.items()}
         self._hf_dtypes = {n: p.dtype for n, p in hf_params.items()}
         self._load(weights.megatron_state(self.spec, self.options, groups.tp_rank, hf_params))
-        for name, dup in weights.duplicate_rows(self.spec, self.options, groups.tp_rank).items():
-            # read by clip_grad_norm_tensor_parallel: rows a lower TP rank holds too (KV groups replicated)
-            self.gpt.get_parameter(name).rollplex_tp_duplicate_rows = torch.as_tensor(dup)
+        # rows of a sharded parameter that a lower TP rank holds too (KV groups replicated over ranks): the global
+        # grad norm counts them once (`clip_grad_norm_tensor_parallel(duplicate_rows=)`)
+        self.duplicate_rows: dict[nn.Parameter, torch.Tensor] = {
+            self.gpt.get_parameter(name): torch.as_tensor(dup)
+            for name, dup in weights.duplicate_rows(self.spec, self.options, groups.tp_rank).items()}
 
     # ---------------------------------------------------------------------------------------------- weights
     @torch.no_grad()
