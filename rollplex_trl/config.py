@@ -12,346 +12,6 @@ from typing import Any, Literal
 
 from trl import GRPOConfig
 
-
-@dataclass
-class RollplexGRPOConfig(GRPOConfig):
-    r"""Configuration for [`RollplexGRPOTrainer`]: everything of [`trl.GRPOConfig`] plus the fields below.
-
-    Parameters that control the shared prefix:
-        rollplex_share_prefix (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): compute each prompt's prefix (vision
-            tower + prompt tokens) once per group of G completions in the reference, old and actor log-prob passes,
-            and run only the completions against its keys/values. Exact (same log-probs, losses and gradients up to
-            float rounding). `"auto"` turns it on where the configuration supports it and where it pays: at the first
-            rollout, a modelled cost of both paths (FLOPs from the model's dimensions, the prompts' mean length and
-            visual tokens over every process, `max_completion_length`, G and the suffix attention; prefix/cost.py)
-            decides once for the run, the reason logged once. `"on"` forces it (and raises where unsupported);
-            `"off"` runs TRL's full forward for every completion.
-        rollplex_prefix_chunk_prompts (`int`, defaults to `8`): unique prompts per prefix forward in the no-grad
-            (reference/old) passes; bounds their peak memory like TRL's per-device batch does.
-        rollplex_suffix_attention (`"auto"`, `"cascade"` or `"concat"`, defaults to `"auto"`): how the completions
-            attend to their prompt's keys/values in the shared-prefix scoring passes. `"cascade"`: the prompt part
-            once per prompt for its G rows, the completion part causally per row, merged exactly (no per-row copy
-            of the prompt, and the masked half of a long completion's attention skipped: what makes the shared
-            prefix pay at low prompt share); `"concat"`: the prompt's K/V copied to every row and the model's own
-            attention with a mask. `"auto"`: cascade where it applies (CPU, sdpa/eager attention, no attention
-            dropout), else concat with the reason logged once; `"cascade"` raises where it cannot apply.
-        rollplex_shared_decode (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): in the transformers rollout,
-            decode the G completions of a prompt against one copy of the prompt's K/V (cascade attention: prefix
-            and own tokens attended separately, merged exactly) instead of G copies. Same tokens as `"off"` up to
-            float rounding. `"auto"`: on from `num_generations >= 8` (where the benchmark shows it pays), wherever it
-            applies (sdpa/eager attention, no beam search), else off with the reason logged once; `"on"`: error
-            where it cannot apply; `"off"`: the prompt's K/V copied to every row (docs/shared-prefix.md).
-        rollplex_compile_decode (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): with shared-prefix decoding,
-            run each decode step's text-decoder forward through `torch.compile`; `"auto"` is off (the compile takes
-            minutes on CPU; never run on CUDA).
-
-    Parameters that control memory:
-        rollplex_memory (`"auto"`, `"on"` or `"off"`, defaults to `"off"`): move memory at every phase boundary (the
-            reference model resident only for its pass, optimizer state streamed in chunks, phase-local buffers
-            freed); exact. `"auto"`: on where the plan says memory is the constraint, decision logged once, and
-            what cannot move (an optimizer that cannot stream, a reference with `sync_ref_model`) stays resident,
-            logged; `"on"`: an error at construction for whatever it cannot move.
-        rollplex_offload_activations (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): with `rollplex_memory`
-            acting, park the actor's saved activations off the compute device until their backward (host arena on
-            CPU, pinned memory on CUDA); exact. `"auto"`: where the plan's train phase would not fit the device.
-
-    Parameters that choose the training engine:
-        rollplex_backend (`"hf"` or `"megatron"`, defaults to `"hf"`): `"megatron"` trains the LLM as Megatron-Core's
-            `GPTModel`, tensor-parallel over `rollplex_tensor_parallel_size` ranks (docs/megatron.md).
-        rollplex_tensor_parallel_size (`int`, defaults to `1`): tensor-parallel degree t of the Megatron backend.
-        rollplex_weight_mapping (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): on the Megatron backend, map
-            the rollout model's tensors onto the training shards' shared memory, peers' shards included, so only
-            tensors whose layouts are incompatible are copied after each optimizer step (auto: on CPU where
-            /dev/shm has room and every TP rank is on one host).
-        rollplex_row_parallel_views (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): with the weight mapping at
-            t > 1, the rollout model reads its row-parallel weights (o_proj, down_proj) in place from every rank's
-            shards through a split-K Linear instead of a copy rebuilt after each optimizer step (auto: without
-            vLLM, which copies every weight anyway).
-        rollplex_shm_all_reduce (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): on the Megatron backend at t > 1
-            on CPU, the tensor-parallel all-reduces of every layer through one shared-memory file instead of gloo
-            (auto: on an x86 CPU, where the TP group shares one host and /dev/shm has room; its protocol relies on
-            x86's store order, so `"on"` is refused elsewhere).
-        rollplex_pooled_rollout (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): on the Megatron backend at t > 1
-            on CPU, the transformers rollout runs once per TP group, on its first rank with the whole group's
-            threads, instead of on every rank with its own (auto: where the group shares one host, without vLLM
-            and without the concurrent overlap schedule).
-        rollplex_split_vision (`"auto"`, `"on"` or `"off"`, defaults to `"auto"`): on the Megatron backend at t > 1,
-            each TP rank runs the vision tower on its share of the batch's images and videos (the features
-            gathered, the tower's gradients summed over TP) instead of every rank running it on all of them
-            (auto: at t > 1 with a vision tower).
-
-    Parameters that control video data (used when a dataset row has a `video` column):
-        rollplex_video_fps (`float`, defaults to `2.0`): frames sampled per second of video (qwen-vl-utils' FPS).
-        rollplex_video_min_frames (`int`, defaults to `4`): fewest frames sampled from one video.
-        rollplex_video_max_frames (`int`, defaults to `16`): most frames sampled from one video (Video-R1 uses 16).
-        rollplex_video_min_pixels (`int`, defaults to `16 * 28 * 28`): lower bound on pixels per sampled frame.
-        rollplex_video_max_pixels (`int`, defaults to `128 * 28 * 28`): upper bound on pixels per sampled frame
-            (Video-R1 trains with 128 * 28 * 28).
-        rollplex_max_prompt_length (`int` or `None`, defaults to `None`): budget for prompt tokens, visual tokens
-            included. A longer prompt is an error (or skipped, see below); it is never cut, because cutting would
-            drop visual tokens and desynchronise them from the pixel inputs.
-        rollplex_skip_invalid_samples (`bool`, defaults to `False`): skip samples whose video or image is missing
-            or undecodable, or whose prompt exceeds the budget, instead of raising. Skipped samples are replaced by
-            a valid sample drawn uniformly (seeded: the same in every run and on every process) and counted in the
-            `rollplex/skipped_samples` and `rollplex/skipped_fraction` metrics; see `rollplex_max_skipped_fraction`.
-        rollplex_media_cache_size (`int`, defaults to `64`): prepared prompts (decoded frames and processor output)
-            kept in memory, so that the G copies of a prompt and the repeated generation batches decode once.
-    """
-
-    rollplex_share_prefix: Literal["auto", "on", "off"] = field(
-        default="auto",
-        metadata={
-            "help": "Compute each prompt's prefix (vision tower + prompt) once per group of G completions in the "
-            "reference, old and actor log-prob passes. 'auto': on where supported and where the modelled cost of both "
-            "paths says it pays (decided once at the first rollout from the prompts, max_completion_length and G; "
-            "reason logged once); 'on': always (error where unsupported); 'off': TRL's full forward for every "
-            "completion.",
-            "choices": ["auto", "on", "off"],
-        },
-    )
-    rollplex_prefix_chunk_prompts: int = field(
-        default=8,
-        metadata={"help": "Unique prompts per prefix forward in the no-grad (reference/old) log-prob passes."},
-    )
-    rollplex_suffix_attention: Literal["auto", "cascade", "concat"] = field(
-        default="auto",
-        metadata={
-            "help": "How completions attend to their prompt's K/V in the shared-prefix scoring passes. 'cascade': "
-            "the prompt part once per prompt for its G rows and the completion part causally, merged exactly; "
-            "'concat': the prompt's K/V copied to every row. 'auto': cascade where it applies (CPU, sdpa/eager), "
-            "else concat with the reason logged once.",
-            "choices": ["auto", "cascade", "concat"],
-        },
-    )
-    rollplex_overlap: Literal["auto", "on", "off"] = field(
-        default="auto",
-        metadata={
-            "help": "Run the prefix work of a step (reference, old-policy and actor prefixes) inside the rollout's "
-            "decode window, at the same weights. 'auto': measure the first steps and keep it only where it shortens "
-            "the step (decision logged); 'on': always; 'off': prefixes computed when scored. Needs the shared prefix; "
-            "works with transformers' generate and with the vLLM engine (use_vllm=True).",
-            "choices": ["auto", "on", "off"],
-        },
-    )
-    rollplex_vllm_dtype: str = field(
-        default="auto",
-        metadata={"help": "dtype of the colocated vLLM engine (use_vllm=True, vllm_mode='colocate'). 'auto' is TRL's "
-                  "choice (vLLM picks: the checkpoint's dtype, bf16 for fp32 checkpoints on CPU). Set the trainer's "
-                  "dtype (e.g. 'float32', 'bfloat16') for sampling log-probs that match the trainer's exactly and "
-                  "for weight aliasing, which needs equal dtypes."},
-    )
-    rollplex_overlap_threads: int = field(
-        default=0,
-        metadata={"help": "CPU only: intra-op threads of the prefix worker while the rollout decodes. 0: the "
-                  "trainer's own count (exact: the serial schedule's numbers; the cores are oversubscribed during the "
-                  "window). n > 0: the worker takes n and decoding the rest; faster on CPU, but a different thread "
-                  "count can round reductions differently, so results may differ from the serial schedule."},
-    )
-    rollplex_shared_decode: Literal["auto", "on", "off"] = field(
-        default="auto",
-        metadata={
-            "help": "Transformers rollout: decode the G completions of a prompt against one copy of its K/V "
-            "(cascade attention, exact merge) instead of G copies. 'auto': on from num_generations >= 8 (where it "
-            "was measured to pay) wherever it applies (sdpa/eager attention, no beam search), else off with the "
-            "reason logged once; 'on': error where it cannot apply; 'off': the prompt's K/V copied to every row.",
-            "choices": ["auto", "on", "off"],
-        },
-    )
-    rollplex_compile_decode: Literal["auto", "on", "off"] = field(
-        default="auto",
-        metadata={
-            "help": "Transformers rollout with shared-prefix decoding: run each decode step's text-decoder forward "
-            "through torch.compile (dynamic shapes: one graph for every step; same operations, inductor may round "
-            "the last bit differently). 'auto': off (measured on CPU: minutes of compile per process, paid back "
-            "only by long runs; never run on CUDA); 'on': compile (error where shared-prefix decoding does not "
-            "run); 'off': the model's own forward.",
-            "choices": ["auto", "on", "off"],
-        },
-    )
-    rollplex_overlap_timeout_s: float = field(
-        default=600.0,
-        metadata={"help": "Longest wait for a concurrent prefix job (the overlapped schedule) after decoding ends "
-                  "before the step fails with its name. The serial schedule (rollplex_overlap 'off', and 'auto' on "
-                  "CPU) runs its jobs inline on the trainer's thread, where no timeout applies: a hung job there "
-                  "hangs the step as any other forward would."},
-    )
-    rollplex_timeline: bool = field(
-        default=False,
-        metadata={"help": "Write the phase timeline of the run (Chrome-trace JSON and a Gantt PNG) to output_dir."},
-    )
-    rollplex_memory: Literal["auto", "on", "off"] = field(
-        default="off",
-        metadata={
-            "help": "Act on the memory plan at every phase boundary: the reference model resident only for the "
-            "reference pass, the optimizer state off the compute device and streamed in chunks during the optimizer "
-            "step, phase-local buffers freed (docs/memory.md). Exact (bytes are moved, never recomputed). 'auto': on "
-            "where weights, reference, gradients and optimizer state would take over half of the device (CPU: RAM) "
-            "and something can move, decision logged once; what cannot move stays resident, logged. 'on': always; "
-            "an error at construction where it cannot act (Megatron, DeepSpeed/FSDP) or cannot move something (an "
-            "optimizer other than torch's AdamW, Adam, SGD, Adagrad, RMSprop, fused or not; a reference with "
-            "sync_ref_model). 'off': nothing moves.",
-            "choices": ["auto", "on", "off"],
-        },
-    )
-    rollplex_offload_activations: Literal["auto", "on", "off"] = field(
-        default="auto",
-        metadata={
-            "help": "With rollplex_memory acting: park the actor's saved activations (its loss forward and the "
-            "window's prefix graph) off the compute device until their backward reads them (a host arena file on "
-            "CPU, pinned host memory on CUDA). Exact (byte copies). 'auto': where the memory plan's train phase "
-            "would not fit the device, decided at the first actor micro-batch and logged once; 'on': always (needs "
-            "rollplex_memory); 'off': never.",
-            "choices": ["auto", "on", "off"],
-        },
-    )
-    rollplex_memory_ledger: bool = field(
-        default=True,
-        metadata={
-            "help": "Keep a memory ledger by lifetime class and phase (rollout, train, optimizer, ...) and log it as "
-            "rollplex/mem_*. Observation only: it moves nothing."
-        },
-    )
-    rollplex_backend: Literal["hf", "megatron"] = field(
-        default="hf",
-        metadata={
-            "help": "Training engine of the policy's LLM. 'hf': transformers + accelerate (TRL's own). 'megatron': "
-            "Megatron-Core's GPTModel, tensor-parallel over rollplex_tensor_parallel_size ranks, with the vision "
-            "tower replicated and data parallelism over the remaining ranks (needs the 'megatron' extra; see "
-            "docs/megatron.md for what runs and what is verified).",
-            "choices": ["hf", "megatron"],
-        },
-    )
-    rollplex_tensor_parallel_size: int = field(
-        default=1,
-        metadata={"help": "With rollplex_backend='megatron': tensor-parallel degree t of the LLM. The world size "
-                  "(processes from accelerate launch / torchrun) must be a multiple of t; the rest is data "
-                  "parallelism. It must divide the attention heads and KV groups."},
-    )
-    rollplex_weight_mapping: Literal["auto", "on", "off"] = field(
-        default="auto",
-        metadata={
-            "help": "With rollplex_backend='megatron': how the rollout model reads the trained weights. 'on': every "
-            "TP rank's shards live in a shared-memory file, each rank maps its peers' files, and every rollout "
-            "tensor whose bytes line up on pages is a view of them (a peer's included): only the rest (e.g. "
-            "row-parallel weights at t > 1) is copied after each optimizer step. 'off': views of this rank's own "
-            "shards only, the rest rebuilt from an all-gather. 'auto': 'on' where it can run (CPU, one host per TP "
-            "group, room in /dev/shm, one dtype), else 'off' with the reason logged. Same weights either way.",
-            "choices": ["auto", "on", "off"],
-        },
-    )
-    rollplex_row_parallel_views: Literal["auto", "on", "off"] = field(
-        default="auto",
-        metadata={
-            "help": "With rollplex_backend='megatron', the weight mapping and t > 1: a row-parallel weight (o_proj, "
-            "down_proj) is split over the TP ranks along its input features, so in the transformers layout every "
-            "row holds a piece of every rank's shard and no page stitching makes it one tensor. 'on': the rollout "
-            "model reads it in place, as one strided (out, t, in / t) view of the mapped shards, through a split-K "
-            "Linear (the same sum grouped by shard: nothing copied after a step, no second copy held; checkpoints "
-            "still write the (out, in) weight). 'off': a copy rebuilt after each optimizer step. 'auto': 'on' "
-            "where the mapping runs and the rollout is the transformers model (with vLLM the engine copies every "
-            "weight anyway).",
-            "choices": ["auto", "on", "off"],
-        },
-    )
-    rollplex_shm_all_reduce: Literal["auto", "on", "off"] = field(
-        default="auto",
-        metadata={
-            "help": "With rollplex_backend='megatron' and t > 1 on CPU: the all-reduces of every decoder layer (the "
-            "row-parallel outputs forward, the column-parallel input gradients backward) through one shared-memory "
-            "file instead of gloo's loopback TCP (6-25x less time per all-reduce on CPU). Every rank sums in the "
-            "same rank order, so the results are identical on every rank (at t = 2 gloo's sums bit for bit). "
-            "'auto': where it can run (an x86 CPU, t > 1, the TP group on one host, room in /dev/shm), else gloo "
-            "with the reason logged; 'on': refuse to start otherwise; 'off': gloo.",
-            "choices": ["auto", "on", "off"],
-        },
-    )
-    rollplex_pooled_rollout: Literal["auto", "on", "off"] = field(
-        default="auto",
-        metadata={
-            "help": "With rollplex_backend='megatron' and t > 1 on CPU: the transformers rollout (prefill and "
-            "decode) once per TP group, on its first rank with the intra-op threads of all t ranks, while the "
-            "peers wait without taking a core, instead of every rank decoding the same batch with its own threads "
-            "(the group trains on the first rank's completions either way). 'auto': where it can run (CPU, the TP "
-            "group on one host, the transformers rollout, rollplex_overlap not 'on'), else every rank decodes, "
-            "with the reason logged; 'on': refuse to start otherwise; 'off': every rank decodes.",
-            "choices": ["auto", "on", "off"],
-        },
-    )
-    rollplex_split_vision: Literal["auto", "on", "off"] = field(
-        default="auto",
-        metadata={
-            "help": "With rollplex_backend='megatron' and t > 1: TP rank r runs the vision tower on items r, r + t, "
-            "... of the batch's images and videos, the features of all items are gathered over the TP group and "
-            "the tower's gradients summed over it once per optimizer step, instead of every rank running the "
-            "tower on every item (the replicated tower is most of a rank's prompt work for video at large t: "
-            "docs/megatron.md). The same numbers up to the order of the items' gradient sums. 'auto': at t > 1 "
-            "with a vision tower; 'on': refuse to start otherwise; 'off': the tower replicated.",
-            "choices": ["auto", "on", "off"],
-        },
-    )
-    rollplex_video_fps: float = field(
-        default=2.0, metadata={"help": "Frames sampled per second of video, as qwen-vl-utils does (FPS)."}
-    )
-    rollplex_video_min_frames: int = field(default=4, metadata={"help": "Fewest frames sampled from one video."})
-    rollplex_video_max_frames: int = field(
-        default=16, metadata={"help": "Most frames sampled from one video (Video-R1 trains with 16)."}
-    )
-    rollplex_video_min_pixels: int = field(
-        default=16 * 28 * 28, metadata={"help": "Lower bound on the pixels of one sampled video frame."}
-    )
-    rollplex_video_max_pixels: int = field(
-        default=128 * 28 * 28,
-        metadata={"help": "Upper bound on the pixels of one sampled video frame (Video-R1: 128*28*28)."},
-    )
-    rollplex_max_prompt_length: int | None = field(
-        default=None,
-        metadata={
-            "help": "Budget for prompt tokens, visual tokens included. Longer prompts raise an error naming the "
-            "sample (or are skipped with rollplex_skip_invalid_samples); they are never truncated, because cutting "
-            "a prompt would cut visual tokens. None means no budget."
-        },
-    )
-    rollplex_skip_invalid_samples: bool = field(
-        default=False,
-        metadata={
-            "help": "Skip samples with a missing or undecodable video/image or an over-budget prompt instead of "
-            "raising. Each skipped sample is replaced by a valid sample drawn uniformly (seeded, reproducible) and "
-            "counted in rollplex/skipped_samples and rollplex/skipped_fraction."
-        },
-    )
-    rollplex_max_skipped_fraction: float = field(
-        default=0.05,
-        metadata={
-            "help": "With rollplex_skip_invalid_samples: the largest fraction of the rows read that may be invalid. "
-            "Above it training stops with an error listing the first skipped samples (a dataset that bad is more "
-            "likely a wrong path or format than a few broken files). 1.0 never stops."
-        },
-    )
-    rollplex_media_cache_size: int = field(
-        default=64,
-        metadata={
-            "help": "How many prepared prompts (decoded frames + processor output) to keep in memory, so the G "
-            "copies of a prompt and repeated generation batches decode each video once."
-        },
-    )
-
-    def __post_init__(self) -> None:
-        _validate(self)  # first: a bad rollplex_* value is reported as such, whatever else is wrong
-        super().__post_init__()
-
-
-def rollplex_field_names() -> list[str]:
-    """Names of the fields RollplexGRPOConfig adds to GRPOConfig."""
-    base = {f.name for f in fields(GRPOConfig)}
-    return [f.name for f in fields(RollplexGRPOConfig) if f.name not in base]
-
-
-def rollplex_options(args: Any) -> dict[str, Any]:
-    """The rollplex_* values of ``args``; a plain GRPOConfig gets the (safe) defaults."""
-    defaults = {f.name: f.default for f in fields(RollplexGRPOConfig)}
-    return {name: getattr(args, name, defaults[name]) for name in rollplex_field_names()}
-
-
 # vLLM's dtype names (ModelConfig.dtype)
 _VLLM_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 # A sampled frame is at least one 28x28 patch (ViT patch 14 x spatial merge 2); Qwen2.5-VL merges 2 frames per
@@ -373,42 +33,319 @@ class _Rule:
 
 
 _MODES = ("auto", "on", "off")
-_RULES: dict[str, _Rule] = {
-    "rollplex_share_prefix": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
-    "rollplex_overlap": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
-    "rollplex_shared_decode": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
-    "rollplex_compile_decode": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
-    "rollplex_prefix_chunk_prompts": _Rule("int", "an integer >= 1", lambda v: v >= 1),
-    "rollplex_suffix_attention": _Rule("choice", "'auto', 'cascade' or 'concat'",
-                                       choices=("auto", "cascade", "concat")),
-    "rollplex_vllm_dtype": _Rule("choice", f"one of {_VLLM_DTYPES}", choices=_VLLM_DTYPES),
-    "rollplex_overlap_threads": _Rule("int", "an integer >= 0 (0: the trainer's own count)", lambda v: v >= 0),
-    "rollplex_overlap_timeout_s": _Rule("float", "a finite number of seconds > 0", lambda v: v > 0),
-    "rollplex_timeline": _Rule("bool", "true or false"),
-    "rollplex_memory": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
-    "rollplex_offload_activations": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
-    "rollplex_memory_ledger": _Rule("bool", "true or false"),
-    "rollplex_backend": _Rule("choice", "'hf' or 'megatron'", choices=("hf", "megatron")),
-    "rollplex_tensor_parallel_size": _Rule("int", "an integer >= 1", lambda v: v >= 1),
-    "rollplex_weight_mapping": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
-    "rollplex_row_parallel_views": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
-    "rollplex_shm_all_reduce": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
-    "rollplex_pooled_rollout": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
-    "rollplex_split_vision": _Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
-    "rollplex_video_fps": _Rule("float", "a finite number > 0", lambda v: v > 0),
-    "rollplex_video_min_frames": _Rule("int", "an integer >= 1", lambda v: v >= 1),
-    "rollplex_video_max_frames": _Rule(
-        "int", f"an integer >= {_FRAME_FACTOR} (Qwen2.5-VL merges {_FRAME_FACTOR} frames per temporal patch)",
-        lambda v: v >= _FRAME_FACTOR),
-    "rollplex_video_min_pixels": _Rule("int", "an integer >= 1", lambda v: v >= 1),
-    "rollplex_video_max_pixels": _Rule(
-        "int", f"an integer >= {_MIN_FRAME_PIXELS} (one 28x28 patch: ViT patch 14 x spatial merge 2)",
-        lambda v: v >= _MIN_FRAME_PIXELS),
-    "rollplex_max_prompt_length": _Rule("optional_int", "None or an integer >= 1", lambda v: v is None or v >= 1),
-    "rollplex_skip_invalid_samples": _Rule("bool", "true or false"),
-    "rollplex_max_skipped_fraction": _Rule("float", "a number in [0, 1]", lambda v: 0 <= v <= 1),
-    "rollplex_media_cache_size": _Rule("int", "an integer >= 0", lambda v: v >= 0),
-}
+
+_DECLARED: list[tuple[Any, _Rule]] = []  # (dataclass field, its rule), in declaration order
+
+
+def _option(*, rule: _Rule, **field_kwargs: Any) -> Any:
+    """A rollplex_* field: `dataclasses.field(**field_kwargs)` (its help text in metadata, as TRL's fields) with the
+    validation rule declared beside it. The rule stays out of the metadata: argparse (TrlParser) reads every key
+    there."""
+    declared = field(**field_kwargs)
+    _DECLARED.append((declared, rule))
+    return declared
+
+
+@dataclass
+class RollplexGRPOConfig(GRPOConfig):
+    r"""Configuration for [`RollplexGRPOTrainer`]: everything of [`trl.GRPOConfig`] plus the `rollplex_*` fields.
+
+    Each field is declared once, below: its default, its `help` text (what `rollplex-trl grpo --help` and
+    docs/configuration.md show) and its validation rule side by side. Every default is safe: exact, and never
+    slower than TRL where it cannot help. `"auto"` decides once per run (the same on every process) and logs its
+    reason once; a forced `"on"` that cannot hold raises at construction, naming the field and what would work.
+    """
+
+    rollplex_share_prefix: Literal["auto", "on", "off"] = _option(
+        rule=_Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
+        default="auto",
+        metadata={
+            "help": "Compute each prompt's prefix (vision tower + prompt) once per group of G completions in the "
+            "reference, old and actor log-prob passes. 'auto': on where supported and where the modelled cost of both "
+            "paths says it pays (decided once at the first rollout from the prompts, max_completion_length and G; "
+            "reason logged once); 'on': always (error where unsupported); 'off': TRL's full forward for every "
+            "completion.",
+            "choices": ["auto", "on", "off"],
+        },
+    )
+    rollplex_prefix_chunk_prompts: int = _option(
+        rule=_Rule("int", "an integer >= 1", lambda v: v >= 1),
+        default=8,
+        metadata={"help": "Unique prompts per prefix forward in the no-grad (reference/old) log-prob passes."},
+    )
+    rollplex_suffix_attention: Literal["auto", "cascade", "concat"] = _option(
+        rule=_Rule("choice", "'auto', 'cascade' or 'concat'", choices=("auto", "cascade", "concat")),
+        default="auto",
+        metadata={
+            "help": "How completions attend to their prompt's K/V in the shared-prefix scoring passes. 'cascade': "
+            "the prompt part once per prompt for its G rows and the completion part causally, merged exactly; "
+            "'concat': the prompt's K/V copied to every row. 'auto': cascade where it applies (CPU, sdpa/eager), "
+            "else concat with the reason logged once.",
+            "choices": ["auto", "cascade", "concat"],
+        },
+    )
+    rollplex_overlap: Literal["auto", "on", "off"] = _option(
+        rule=_Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
+        default="auto",
+        metadata={
+            "help": "Run the prefix work of a step (reference, old-policy and actor prefixes) inside the rollout's "
+            "decode window, at the same weights. 'auto': measure the first steps and keep it only where it shortens "
+            "the step (decision logged); 'on': always; 'off': prefixes computed when scored. Needs the shared prefix; "
+            "works with transformers' generate and with the vLLM engine (use_vllm=True).",
+            "choices": ["auto", "on", "off"],
+        },
+    )
+    rollplex_vllm_dtype: str = _option(
+        rule=_Rule("choice", f"one of {_VLLM_DTYPES}", choices=_VLLM_DTYPES),
+        default="auto",
+        metadata={"help": "dtype of the colocated vLLM engine (use_vllm=True, vllm_mode='colocate'). 'auto' is TRL's "
+                  "choice (vLLM picks: the checkpoint's dtype, bf16 for fp32 checkpoints on CPU). Set the trainer's "
+                  "dtype (e.g. 'float32', 'bfloat16') for sampling log-probs that match the trainer's exactly and "
+                  "for weight aliasing, which needs equal dtypes."},
+    )
+    rollplex_overlap_threads: int = _option(
+        rule=_Rule("int", "an integer >= 0 (0: the trainer's own count)", lambda v: v >= 0),
+        default=0,
+        metadata={"help": "CPU only: intra-op threads of the prefix worker while the rollout decodes. 0: the "
+                  "trainer's own count (exact: the serial schedule's numbers; the cores are oversubscribed during the "
+                  "window). n > 0: the worker takes n and decoding the rest; faster on CPU, but a different thread "
+                  "count can round reductions differently, so results may differ from the serial schedule."},
+    )
+    rollplex_shared_decode: Literal["auto", "on", "off"] = _option(
+        rule=_Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
+        default="auto",
+        metadata={
+            "help": "Transformers rollout: decode the G completions of a prompt against one copy of its K/V "
+            "(cascade attention, exact merge) instead of G copies. 'auto': on from num_generations >= 8 (where it "
+            "was measured to pay) wherever it applies (sdpa/eager attention, no beam search), else off with the "
+            "reason logged once; 'on': error where it cannot apply; 'off': the prompt's K/V copied to every row.",
+            "choices": ["auto", "on", "off"],
+        },
+    )
+    rollplex_compile_decode: Literal["auto", "on", "off"] = _option(
+        rule=_Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
+        default="auto",
+        metadata={
+            "help": "Transformers rollout with shared-prefix decoding: run each decode step's text-decoder forward "
+            "through torch.compile (dynamic shapes: one graph for every step; same operations, inductor may round "
+            "the last bit differently). 'auto': off (measured on CPU: minutes of compile per process, paid back "
+            "only by long runs; never run on CUDA); 'on': compile (error where shared-prefix decoding does not "
+            "run); 'off': the model's own forward.",
+            "choices": ["auto", "on", "off"],
+        },
+    )
+    rollplex_overlap_timeout_s: float = _option(
+        rule=_Rule("float", "a finite number of seconds > 0", lambda v: v > 0),
+        default=600.0,
+        metadata={"help": "Longest wait for a concurrent prefix job (the overlapped schedule) after decoding ends "
+                  "before the step fails with its name. The serial schedule (rollplex_overlap 'off', and 'auto' on "
+                  "CPU) runs its jobs inline on the trainer's thread, where no timeout applies: a hung job there "
+                  "hangs the step as any other forward would."},
+    )
+    rollplex_timeline: bool = _option(
+        rule=_Rule("bool", "true or false"),
+        default=False,
+        metadata={"help": "Write the phase timeline of the run (Chrome-trace JSON and a Gantt PNG) to output_dir."},
+    )
+    rollplex_memory: Literal["auto", "on", "off"] = _option(
+        rule=_Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
+        default="off",
+        metadata={
+            "help": "Act on the memory plan at every phase boundary: the reference model resident only for the "
+            "reference pass, the optimizer state off the compute device and streamed in chunks during the optimizer "
+            "step, phase-local buffers freed (docs/memory.md). Exact (bytes are moved, never recomputed). 'auto': on "
+            "where weights, reference, gradients and optimizer state would take over half of the device (CPU: RAM) "
+            "and something can move, decision logged once; what cannot move stays resident, logged. 'on': always; "
+            "an error at construction where it cannot act (Megatron, DeepSpeed/FSDP) or cannot move something (an "
+            "optimizer other than torch's AdamW, Adam, SGD, Adagrad, RMSprop, fused or not; a reference with "
+            "sync_ref_model). 'off': nothing moves.",
+            "choices": ["auto", "on", "off"],
+        },
+    )
+    rollplex_offload_activations: Literal["auto", "on", "off"] = _option(
+        rule=_Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
+        default="auto",
+        metadata={
+            "help": "With rollplex_memory acting: park the actor's saved activations (its loss forward and the "
+            "window's prefix graph) off the compute device until their backward reads them (a host arena file on "
+            "CPU, pinned host memory on CUDA). Exact (byte copies). 'auto': where the memory plan's train phase "
+            "would not fit the device, decided at the first actor micro-batch and logged once; 'on': always (needs "
+            "rollplex_memory); 'off': never.",
+            "choices": ["auto", "on", "off"],
+        },
+    )
+    rollplex_memory_ledger: bool = _option(
+        rule=_Rule("bool", "true or false"),
+        default=True,
+        metadata={
+            "help": "Keep a memory ledger by lifetime class and phase (rollout, train, optimizer, ...) and log it as "
+            "rollplex/mem_*. Observation only: it moves nothing."
+        },
+    )
+    rollplex_backend: Literal["hf", "megatron"] = _option(
+        rule=_Rule("choice", "'hf' or 'megatron'", choices=("hf", "megatron")),
+        default="hf",
+        metadata={
+            "help": "Training engine of the policy's LLM. 'hf': transformers + accelerate (TRL's own). 'megatron': "
+            "Megatron-Core's GPTModel, tensor-parallel over rollplex_tensor_parallel_size ranks, with the vision "
+            "tower replicated and data parallelism over the remaining ranks (needs the 'megatron' extra; see "
+            "docs/megatron.md for what runs and what is verified).",
+            "choices": ["hf", "megatron"],
+        },
+    )
+    rollplex_tensor_parallel_size: int = _option(
+        rule=_Rule("int", "an integer >= 1", lambda v: v >= 1),
+        default=1,
+        metadata={"help": "With rollplex_backend='megatron': tensor-parallel degree t of the LLM. The world size "
+                  "(processes from accelerate launch / torchrun) must be a multiple of t; the rest is data "
+                  "parallelism. It must divide the attention heads and KV groups."},
+    )
+    rollplex_weight_mapping: Literal["auto", "on", "off"] = _option(
+        rule=_Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
+        default="auto",
+        metadata={
+            "help": "With rollplex_backend='megatron': how the rollout model reads the trained weights. 'on': every "
+            "TP rank's shards live in a shared-memory file, each rank maps its peers' files, and every rollout "
+            "tensor whose bytes line up on pages is a view of them (a peer's included): only the rest (e.g. "
+            "row-parallel weights at t > 1) is copied after each optimizer step. 'off': views of this rank's own "
+            "shards only, the rest rebuilt from an all-gather. 'auto': 'on' where it can run (CPU, one host per TP "
+            "group, room in /dev/shm, one dtype), else 'off' with the reason logged. Same weights either way.",
+            "choices": ["auto", "on", "off"],
+        },
+    )
+    rollplex_row_parallel_views: Literal["auto", "on", "off"] = _option(
+        rule=_Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
+        default="auto",
+        metadata={
+            "help": "With rollplex_backend='megatron', the weight mapping and t > 1: a row-parallel weight (o_proj, "
+            "down_proj) is split over the TP ranks along its input features, so in the transformers layout every "
+            "row holds a piece of every rank's shard and no page stitching makes it one tensor. 'on': the rollout "
+            "model reads it in place, as one strided (out, t, in / t) view of the mapped shards, through a split-K "
+            "Linear (the same sum grouped by shard: nothing copied after a step, no second copy held; checkpoints "
+            "still write the (out, in) weight). 'off': a copy rebuilt after each optimizer step. 'auto': 'on' "
+            "where the mapping runs and the rollout is the transformers model (with vLLM the engine copies every "
+            "weight anyway).",
+            "choices": ["auto", "on", "off"],
+        },
+    )
+    rollplex_shm_all_reduce: Literal["auto", "on", "off"] = _option(
+        rule=_Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
+        default="auto",
+        metadata={
+            "help": "With rollplex_backend='megatron' and t > 1 on CPU: the all-reduces of every decoder layer (the "
+            "row-parallel outputs forward, the column-parallel input gradients backward) through one shared-memory "
+            "file instead of gloo's loopback TCP (6-25x less time per all-reduce on CPU). Every rank sums in the "
+            "same rank order, so the results are identical on every rank (at t = 2 gloo's sums bit for bit). "
+            "'auto': where it can run (an x86 CPU, t > 1, the TP group on one host, room in /dev/shm), else gloo "
+            "with the reason logged; 'on': refuse to start otherwise; 'off': gloo.",
+            "choices": ["auto", "on", "off"],
+        },
+    )
+    rollplex_pooled_rollout: Literal["auto", "on", "off"] = _option(
+        rule=_Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
+        default="auto",
+        metadata={
+            "help": "With rollplex_backend='megatron' and t > 1 on CPU: the transformers rollout (prefill and "
+            "decode) once per TP group, on its first rank with the intra-op threads of all t ranks, while the "
+            "peers wait without taking a core, instead of every rank decoding the same batch with its own threads "
+            "(the group trains on the first rank's completions either way). 'auto': where it can run (CPU, the TP "
+            "group on one host, the transformers rollout, rollplex_overlap not 'on'), else every rank decodes, "
+            "with the reason logged; 'on': refuse to start otherwise; 'off': every rank decodes.",
+            "choices": ["auto", "on", "off"],
+        },
+    )
+    rollplex_split_vision: Literal["auto", "on", "off"] = _option(
+        rule=_Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
+        default="auto",
+        metadata={
+            "help": "With rollplex_backend='megatron' and t > 1: TP rank r runs the vision tower on items r, r + t, "
+            "... of the batch's images and videos, the features of all items are gathered over the TP group and "
+            "the tower's gradients summed over it once per optimizer step, instead of every rank running the "
+            "tower on every item (the replicated tower is most of a rank's prompt work for video at large t: "
+            "docs/megatron.md). The same numbers up to the order of the items' gradient sums. 'auto': at t > 1 "
+            "with a vision tower; 'on': refuse to start otherwise; 'off': the tower replicated.",
+            "choices": ["auto", "on", "off"],
+        },
+    )
+    rollplex_video_fps: float = _option(
+        rule=_Rule("float", "a finite number > 0", lambda v: v > 0),
+        default=2.0, metadata={"help": "Frames sampled per second of video, as qwen-vl-utils does (FPS)."}
+    )
+    rollplex_video_min_frames: int = _option(
+        rule=_Rule("int", "an integer >= 1", lambda v: v >= 1),
+        default=4, metadata={"help": "Fewest frames sampled from one video."})
+    rollplex_video_max_frames: int = _option(
+        rule=_Rule("int", f"an integer >= {_FRAME_FACTOR} (Qwen2.5-VL merges {_FRAME_FACTOR} frames per temporal "
+                   "patch)", lambda v: v >= _FRAME_FACTOR),
+        default=16, metadata={"help": "Most frames sampled from one video (Video-R1 trains with 16)."}
+    )
+    rollplex_video_min_pixels: int = _option(
+        rule=_Rule("int", "an integer >= 1", lambda v: v >= 1),
+        default=16 * 28 * 28, metadata={"help": "Lower bound on the pixels of one sampled video frame."}
+    )
+    rollplex_video_max_pixels: int = _option(
+        rule=_Rule("int", f"an integer >= {_MIN_FRAME_PIXELS} (one 28x28 patch: ViT patch 14 x spatial merge 2)",
+                   lambda v: v >= _MIN_FRAME_PIXELS),
+        default=128 * 28 * 28,
+        metadata={"help": "Upper bound on the pixels of one sampled video frame (Video-R1: 128*28*28)."},
+    )
+    rollplex_max_prompt_length: int | None = _option(
+        rule=_Rule("optional_int", "None or an integer >= 1", lambda v: v is None or v >= 1),
+        default=None,
+        metadata={
+            "help": "Budget for prompt tokens, visual tokens included. Longer prompts raise an error naming the "
+            "sample (or are skipped with rollplex_skip_invalid_samples); they are never truncated, because cutting "
+            "a prompt would cut visual tokens. None means no budget."
+        },
+    )
+    rollplex_skip_invalid_samples: bool = _option(
+        rule=_Rule("bool", "true or false"),
+        default=False,
+        metadata={
+            "help": "Skip samples with a missing or undecodable video/image or an over-budget prompt instead of "
+            "raising. Each skipped sample is replaced by a valid sample drawn uniformly (seeded, reproducible) and "
+            "counted in rollplex/skipped_samples and rollplex/skipped_fraction."
+        },
+    )
+    rollplex_max_skipped_fraction: float = _option(
+        rule=_Rule("float", "a number in [0, 1]", lambda v: 0 <= v <= 1),
+        default=0.05,
+        metadata={
+            "help": "With rollplex_skip_invalid_samples: the largest fraction of the rows read that may be invalid. "
+            "Above it training stops with an error listing the first skipped samples (a dataset that bad is more "
+            "likely a wrong path or format than a few broken files). 1.0 never stops."
+        },
+    )
+    rollplex_media_cache_size: int = _option(
+        rule=_Rule("int", "an integer >= 0", lambda v: v >= 0),
+        default=64,
+        metadata={
+            "help": "How many prepared prompts (decoded frames + processor output) to keep in memory, so the G "
+            "copies of a prompt and repeated generation batches decode each video once."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        _validate(self)  # first: a bad rollplex_* value is reported as such, whatever else is wrong
+        super().__post_init__()
+
+
+# every rollplex_* field's rule, by name (the dataclass gave each declared field its name)
+_RULES: dict[str, _Rule] = {declared.name: rule for declared, rule in _DECLARED}
+
+
+def rollplex_field_names() -> list[str]:
+    """Names of the fields RollplexGRPOConfig adds to GRPOConfig."""
+    base = {f.name for f in fields(GRPOConfig)}
+    return [f.name for f in fields(RollplexGRPOConfig) if f.name not in base]
+
+
+def rollplex_options(args: Any) -> dict[str, Any]:
+    """The rollplex_* values of ``args``; a plain GRPOConfig gets the (safe) defaults."""
+    defaults = {f.name: f.default for f in fields(RollplexGRPOConfig)}
+    return {name: getattr(args, name, defaults[name]) for name in rollplex_field_names()}
+
+
 
 
 def _read(name: str, value: Any, rule: _Rule) -> Any:
