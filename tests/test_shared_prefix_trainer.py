@@ -162,7 +162,9 @@ def test_auto_shares_only_where_the_modelled_cost_says_it_pays(tiny_qwen2_path, 
     assert choice is not None and not choice.share, choice
     assert choice.shape.completion_tokens == 96 and choice.shape.prompt_share < 0.5
     assert "rollplex_share_prefix=auto: off" in caplog.text
-    assert not trainer.support.share_scoring and not trainer.support.share_actor
+    assert not trainer.sharing_on
+    # the support decision (what the configuration allows) stays as made at construction: decided once
+    assert trainer.support.share_scoring and trainer.support.share_actor
     assert trainer.overlap is None and trainer.actor_window is None
     auto = [r for r in trainer.state.log_history if "loss" in r]
     off = _run(tiny_qwen2_path, _text_dataset(), tmp_path, "off", output_dir=str(tmp_path / "low-off"), **low)
@@ -200,7 +202,7 @@ def test_forced_overlap_keeps_auto_sharing_on(tiny_qwen2_path, tmp_path, caplog)
         trainer.train()
     assert caplog.text.count("rollplex_share_prefix=auto: on, not left to the cost model") == 1
     assert trainer.sharing is None
-    assert trainer.support.share_scoring and trainer.support.share_actor and trainer.overlap is not None
+    assert trainer.sharing_on and trainer.support.share_actor and trainer.overlap is not None
     forced = [r for r in trainer.state.log_history if "loss" in r]
     on = _run(tiny_qwen2_path, _text_dataset(), tmp_path, "on", output_dir=str(tmp_path / "on"), **low)
     assert len(forced) == len(on) == 2

@@ -191,12 +191,18 @@ class RollplexGRPOTrainer(GRPOTrainer):
                                      [sum(1 for t in ids if t in visual) for ids in prompt_ids])
         if choice.share:
             return
-        self.support = dataclasses.replace(self.support, share_scoring=False, share_actor=False,
-                                           average_actor_gradients=False, overlap_window=False)
-        self.actor_window = None
+        self.actor_window = None  # `sharing_on` is False from now on: the components that serve it go
         if self.overlap is not None:  # "auto" (a forced "on" keeps the sharing: _build_sharing_decision)
             self.overlap.close()
             self.overlap = None
+
+    @property
+    def sharing_on(self) -> bool:
+        """Whether the shared prefix runs: the configuration supports it (`support`, decided at construction) and,
+        under rollplex_share_prefix="auto", it pays for the prompts of the first rollout (`sharing`, decided once
+        then; on until decided, which happens before any pass that shares)."""
+        choice = self.sharing.choice if self.sharing is not None else None
+        return self.support.share_scoring and (choice is None or choice.share)
 
     def _decide_sharing_from_mask(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
         if self.sharing is not None and not self.sharing.decided:
@@ -241,7 +247,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         policy, ref, backend = self.backend.prefix_job_models(policy, ref, training=self.model.training)
         # PEFT: the old pass would run the policy while its adapters are toggled for the reference (module state)
         return PrefixJobs(policy=policy, ref_model=ref, old=needs_old and not is_peft,
-                          actor=self.support.share_actor and window_is_generation, autocast=self.accelerator.autocast,
+                          actor=self.sharing_on and window_is_generation, autocast=self.accelerator.autocast,
                           prompts_per_chunk=self.rollplex["rollplex_prefix_chunk_prompts"], **backend)
 
     def _training_checkpointing(self):
@@ -535,7 +541,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
             self._log_prefix_use(actor.rows or input_ids.size(0), len(actor.key_to_prompt))
             return logps, entropies, None
         # every other pass (reference, old, the actor outside a window): each prompt once per call where it can
-        share = self.support.share_scoring and self._shareable(rows, vision_kwargs)
+        share = self.sharing_on and self._shareable(rows, vision_kwargs)
         precomputed = None
         if share and not torch.is_grad_enabled() and self.overlap is not None:  # built in the decode window
             precomputed = self.batch.prefixes.take_scoring(reference=model is self.ref_model)

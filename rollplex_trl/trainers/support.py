@@ -23,7 +23,11 @@ PREFIX_MODEL_TYPES = ("qwen2", "qwen2_5_vl", "llama")
 
 @dataclass(frozen=True)
 class Support:
-    """What this run does, decided once. `notices` are logged once by the main process."""
+    """What this run does, decided once, from the configuration. `notices` are logged once by the main process.
+
+    Frozen: the one choice that depends on data, whether sharing the prefix pays under rollplex_share_prefix="auto",
+    is not made here but once at the first rollout (prefix/cost.py `SharingDecision`, logged once); the trainer's
+    `sharing_on` combines the two."""
 
     share_scoring: bool  # reference/old log-probs from each prompt's prefix computed once
     share_actor: bool  # the loss pass's prefix once per prompt per accumulation window
