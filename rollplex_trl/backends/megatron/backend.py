@@ -534,8 +534,9 @@ class MegatronBackend:
         from rollplex_trl.backends.megatron.prefix import megatron_suffix_logps
 
         policy.train(True)
-        return megatron_suffix_logps(policy, state, row_to_prompt, completion_ids, completion_mask,
-                                     temperature=temperature, compute_entropy=compute_entropy)
+        logps, entropies = megatron_suffix_logps(policy, state, row_to_prompt, completion_ids, completion_mask,
+                                                 temperature=temperature, compute_entropy=compute_entropy)
+        return _zero_padding(logps, completion_mask), _zero_padding(entropies, completion_mask)
 
     def precompute_prefix(self, model, prompt_ids, prompt_mask, rows, *, keep_graph: bool, prompts_per_chunk: int,
                           training: bool):
@@ -604,9 +605,11 @@ class MegatronBackend:
             from rollplex_trl.backends.megatron.prefix import megatron_shared_prefix_logps
 
             with autocast():
-                return megatron_shared_prefix_logps(model, input_ids, attention_mask, logits_to_keep, rows,
-                                                    temperature=temperature, compute_entropy=compute_entropy,
-                                                    prompts_per_chunk=prompts_per_chunk, precomputed=precomputed)
+                logps, entropies, prompts = megatron_shared_prefix_logps(
+                    model, input_ids, attention_mask, logits_to_keep, rows, temperature=temperature,
+                    compute_entropy=compute_entropy, prompts_per_chunk=prompts_per_chunk, precomputed=precomputed)
+            completion_mask = attention_mask[:, -logits_to_keep:]
+            return _zero_padding(logps, completion_mask), _zero_padding(entropies, completion_mask), prompts
         batch_size = batch_size or input_ids.size(0)
         prompt_length = input_ids.size(1) - logits_to_keep
         all_logps, all_entropies = [], []
@@ -625,7 +628,15 @@ class MegatronBackend:
             all_logps.append(logps)
             if compute_entropy:
                 all_entropies.append(entropies)
-        return torch.cat(all_logps), (torch.cat(all_entropies) if compute_entropy else None), None
+        completion_mask = attention_mask[:, -logits_to_keep:]
+        entropies = torch.cat(all_entropies) if compute_entropy else None
+        return _zero_padding(torch.cat(all_logps), completion_mask), _zero_padding(entropies, completion_mask), None
+
+
+def _zero_padding(values: torch.Tensor | None, completion_mask: torch.Tensor) -> torch.Tensor | None:
+    """Padded completion positions hold 0, as TRL's fused head gives them (every loss term masks them; metrics and
+    any consumer that sums unmasked see the same numbers on both backends)."""
+    return None if values is None else values.masked_fill(completion_mask == 0, 0.0)
 
 
 def _megatron_actor_prefix(policy, prompt_ids, prompt_mask, rows, *, keep_graph: bool):
