@@ -24,6 +24,18 @@ def require(module: str, reason: str | None = None):
     return pytest.importorskip(module, reason=reason)
 
 
+def record_generations(trainer, key: str, into: list) -> None:
+    """Append `output[key]` (a tensor: a detached copy) of every generation batch the trainer scores to `into`."""
+    generate = trainer._generate_and_score_completions
+
+    def recording(inputs):
+        output = generate(inputs)
+        into.append(output[key].detach().clone())
+        return output
+
+    trainer._generate_and_score_completions = recording
+
+
 class RecordingReward:
     """A reward of the completion's length mod 5 that also records (problem_id, completion) for every row it
     scores, to compare what two runs sampled (problem_id is None for datasets without that column)."""

@@ -9,7 +9,7 @@ from datasets import Dataset
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 from rollplex_trl.data.errors import RollplexDataError
 
-from helpers import write_mp4
+from helpers import record_generations, write_mp4
 
 
 def reward(completions, **kwargs):
@@ -168,14 +168,7 @@ def test_none_reward_keeps_trl_semantics(tiny_vl_path, tmp_path):
     trainer = _trainer(tiny_vl_path, [_row(1, clip), _row(2, clip)],
                        _config(tmp_path, num_generations=4, max_completion_length=6), func=partial_reward)
     advantages = []
-    generate = trainer._generate_and_score_completions
-
-    def recording(inputs):
-        output = generate(inputs)
-        advantages.append(output["advantages"].clone())
-        return output
-
-    trainer._generate_and_score_completions = recording
+    record_generations(trainer, "advantages", advantages)
     trainer.train()
     (log,) = [r for r in trainer.state.log_history if "loss" in r]
     rewards = torch.tensor([v if v is not None else float("nan") for v in scored[0]])

@@ -8,6 +8,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 
+from helpers import record_generations
+
 KEYS = ("loss", "reward", "kl", "grad_norm", "entropy", "completions/mean_length")
 
 
@@ -32,14 +34,7 @@ def _train(trainer_cls, config_cls, model_path, dataset, tmp_path, completions=N
     trainer = trainer_cls(model=str(model_path), reward_funcs=reward, args=_config(config_cls, tmp_path,
                           **overrides), train_dataset=dataset)
     if completions is not None:  # the sampled completion ids of every generation batch
-        generate = trainer._generate_and_score_completions
-
-        def recording(inputs):
-            output = generate(inputs)
-            completions.append(output["completion_ids"].tolist())
-            return output
-
-        trainer._generate_and_score_completions = recording
+        record_generations(trainer, "completion_ids", completions)
     trainer.train()
     if isinstance(trainer, RollplexGRPOTrainer):  # parity is only news if the shared paths actually ran
         assert trainer.support.share_scoring and trainer.support.share_actor
@@ -105,7 +100,7 @@ def test_first_step_matches_trl_under_trl_defaults(tiny_qwen2_path, tiny_vl_path
     (theirs,), _ = _train(GRPOTrainer, GRPOConfig, path, dataset, tmp_path / "trl", theirs_ids, **defaults)
     (ours,), _ = _train(RollplexGRPOTrainer, RollplexGRPOConfig, path, dataset, tmp_path / "ours", ours_ids,
                         **defaults)
-    assert ours_ids == theirs_ids
+    assert [t.tolist() for t in ours_ids] == [t.tolist() for t in theirs_ids]
     assert ours["reward"] == theirs["reward"]
     assert ours["grad_norm"] > 0
     for key in ("grad_norm", "entropy"):
