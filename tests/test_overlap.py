@@ -13,6 +13,7 @@ from datasets import Dataset
 import rollplex_trl.overlap.schedule as overlap_module
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 from rollplex_trl.overlap import OverlapError, OverlapExecutor, OverlapSchedule
+from rollplex_trl.trainers.rollout import TrainerRollout
 
 from helpers import RecordingReward, video_rows
 
@@ -84,9 +85,9 @@ def _text_trainer(tiny_qwen2_path, tmp_path, overlap="on", **overrides):
 def test_a_weight_write_inside_the_window_is_detected(tiny_qwen2_path, tmp_path):
     trainer = _text_trainer(tiny_qwen2_path, tmp_path)
     enc = trainer.processing_class(["count to three", "count to three"], return_tensors="pt", padding=True)
-    window = trainer._decode_window(None)
+    window = trainer.rollout.decode_window(None)
     prefixes = trainer.batch.prefixes  # where the window's states would go
-    assert trainer._prefix_jobs().for_window(enc["input_ids"], enc["attention_mask"], None, training=True)
+    assert trainer.rollout.prefix_jobs().for_window(enc["input_ids"], enc["attention_mask"], None, training=True)
     with pytest.raises(OverlapError, match="written while"):
         with window(enc["input_ids"], enc["attention_mask"]):
             with torch.no_grad():  # what an optimizer step or a weight sync would do
@@ -183,7 +184,7 @@ def test_the_actor_prefix_job_checkpoints_like_the_training_forward(tiny_vl_path
     import transformers.modeling_utils as modeling_utils
 
     if source == "job":  # else the rollout's prefill is kept as the actor's prefix (prefix/generation.py)
-        monkeypatch.setattr(RollplexGRPOTrainer, "_actor_from_prefill", lambda self: False)
+        monkeypatch.setattr(TrainerRollout, "actor_from_prefill", lambda self: False)
 
     real_checkpoint = modeling_utils.checkpoint
     calls = []  # (the checkpointed layer, its hidden states' shape) of every grad-enabled checkpointed forward

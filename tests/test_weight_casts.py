@@ -1,5 +1,5 @@
 """Under TRL's bf16 autocast the policy's frozen weights (here PEFT's base weights) are cast once per `generate`
-call, not at every decode step (rollout/weight_casts.py, trainers/grpo.py `_decode_weight_casts`).
+call, not at every decode step (rollout/weight_casts.py, trainers/rollout.py `decode_weight_casts`).
 
 Torch's autocast keeps the cast of a weight only if it requires grad, so frozen weights were cast again at every
 decode step. Counted at the dispatcher on the decoding thread; the training must be the same to the bit with and
@@ -14,6 +14,7 @@ import transformers
 from datasets import Dataset
 
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
+from rollplex_trl.trainers.rollout import TrainerRollout
 
 from helpers import WeightCasts, video_rows
 
@@ -41,7 +42,7 @@ def _train(model_path, dataset, tmp_path, tag, monkeypatch, kept=True, **overrid
     trainer = RollplexGRPOTrainer(model=str(model_path), reward_funcs=_reward, args=args, train_dataset=dataset,
                                   peft_config=lora)
     if not kept:
-        monkeypatch.setattr(trainer, "_decode_weight_casts", contextlib.nullcontext)
+        monkeypatch.setattr(trainer.rollout, "decode_weight_casts", contextlib.nullcontext)
     model = trainer.accelerator.unwrap_model(trainer.model)
     frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point()]
     calls = []
@@ -76,7 +77,7 @@ def test_left_alone_while_the_actor_job_runs_concurrently(tiny_vl_path, tmp_path
                                                           overlap):
     """The overlap's actor job builds a graph on the same model during the decode: marking the base weights as
     requiring grad then would give them gradients, so the decode casts them at every step, as TRL does."""
-    monkeypatch.setattr(RollplexGRPOTrainer, "_actor_from_prefill", lambda self: False)  # the window's job builds it
+    monkeypatch.setattr(TrainerRollout, "actor_from_prefill", lambda self: False)  # the window's job builds it
     logs, calls, frozen = _train(tiny_vl_path, video_dataset, tmp_path, "overlap", monkeypatch,
                                  rollplex_overlap=overlap)
     assert len(calls) == 2 and all(casts > frozen for casts in calls), (calls, frozen)

@@ -20,8 +20,6 @@ Batches without prepared prompts (text, or images without the shared prefix) run
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import logging
 import time
@@ -39,12 +37,11 @@ from rollplex_trl.config import rollplex_options
 from rollplex_trl.data.prepared import PREPARED_KEY, VIDEO_COLUMNS
 from rollplex_trl.data.prompt import PreparedPrompt, check_rows_match_ids, generation_fields
 from rollplex_trl.memory.model_dims import dims_from_config
-from rollplex_trl.overlap import OverlapExecutor, OverlapSchedule, PrefixJobs, Span, Timeline
+from rollplex_trl.overlap import OverlapExecutor, OverlapSchedule, Span, Timeline
 from rollplex_trl.prefix import unwrap_model
 from rollplex_trl.prefix.actor import ActorWindow
 from rollplex_trl.prefix.batch import StepPrefixes
 from rollplex_trl.prefix.cost import SharingDecision
-from rollplex_trl.prefix.generation import PrefillForActor, prefill_for_rollout, shared_prefill
 from rollplex_trl.rollout.trl_vllm import RollplexVLLMGeneration, VLLMRollout
 from rollplex_trl.trainers.checkpoint import (
     CheckpointStaging,
@@ -57,6 +54,7 @@ from rollplex_trl.trainers.context import BatchContext
 from rollplex_trl.trainers.media import DatasetPreparation, media_options
 from rollplex_trl.trainers.memory import PhaseMemory, vllm_sleep_for_memory
 from rollplex_trl.trainers.rewards import reject_non_finite_rewards
+from rollplex_trl.trainers.rollout import TrainerRollout
 from rollplex_trl.trainers.support import Support, decide_support, log_notices, refuse_before_setup
 
 logger = logging.getLogger(__name__)
@@ -109,6 +107,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
             **({"build_prefix": self.backend.build_actor_prefix()} if self.backend.build_actor_prefix() else {}),
         ) if self.support.share_actor else None
         self.overlap = self._build_overlap() if self.support.overlap_window else None
+        self.rollout = TrainerRollout(self)  # trainers/rollout.py
         self.timeline = self.overlap.timeline if self.overlap is not None else Timeline()
         generation = getattr(self, "vllm_generation", None)
         self.vllm_rollout = VLLMRollout(generation, trl_compat.pad_token_id(self), self.accelerator.device) if (
@@ -229,53 +228,6 @@ class RollplexGRPOTrainer(GRPOTrainer):
         warn = logger.warning if self.accelerator.is_main_process else (lambda message: None)
         return OverlapSchedule(o["rollplex_overlap"], executor, record=record, broadcast=broadcast, warn=warn)
 
-    def _prefix_jobs(self, actor_checkpointing=contextlib.nullcontext):
-        jobs = dataclasses.replace(self._policy_prefix_jobs(), actor_checkpointing=actor_checkpointing)
-        # the reference prefix job runs in the decode window: the reference weights resident only while it runs
-        return self.phase_memory.prefix_jobs(jobs) if self.phase_memory is not None else jobs
-
-    def _policy_prefix_jobs(self) -> PrefixJobs:
-        policy = self.accelerator.unwrap_model(self.model)
-        is_peft = hasattr(policy, "peft_config")
-        # TRL's own condition for computing old log-probs (GRPOTrainer._generate_and_score_completions)
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        needs_old = (self.args.gradient_accumulation_steps % generate_every != 0
-                     or (self.use_vllm and self.vllm_importance_sampling_correction))
-        window_is_generation = (self.args.steps_per_generation == self.args.gradient_accumulation_steps
-                                and self.num_iterations == 1)
-        ref = self.accelerator.unwrap_model(self.ref_model) if self.beta != 0.0 and self.ref_model is not None else None
-        policy, ref, backend = self.backend.prefix_job_models(policy, ref, training=self.model.training)
-        # PEFT: the old pass would run the policy while its adapters are toggled for the reference (module state)
-        return PrefixJobs(policy=policy, ref_model=ref, old=needs_old and not is_peft,
-                          actor=self.sharing_on and window_is_generation, autocast=self.accelerator.autocast,
-                          prompts_per_chunk=self.rollplex["rollplex_prefix_chunk_prompts"], **backend)
-
-    def _training_checkpointing(self):
-        """A context factory: the policy's gradient checkpointing as it is now, restored inside the block. Taken
-        before generation starts: TRL's generation context turns checkpointing off for the whole rollout, and the
-        actor's prefix, built inside it (the decode window's job or the kept prefill), must checkpoint as the
-        training forward does (on Megatron: the vision tower, the HF module; its LLM has its own recompute)."""
-        state = trl_compat.checkpointing_state(self.accelerator.unwrap_model(self.model))
-        return functools.partial(trl_compat.checkpointing_as, state)
-
-    def _decode_window(self, rows: list[PreparedPrompt] | None, checkpointing=None):
-        """The decode-window context for `shared_prefill` / the vLLM rollout, or None without an overlap schedule.
-        `checkpointing`: a `_training_checkpointing()` taken before generation (taken here if None)."""
-        if self.overlap is None:
-            return None
-        weights = [*self.model.parameters(), *(self.ref_model.parameters() if self.ref_model is not None else []),
-                   *self.backend.window_weights()]
-        checkpointing = checkpointing or self._training_checkpointing()
-
-        def window(input_ids: torch.Tensor, attention_mask: torch.Tensor):
-            jobs = self._prefix_jobs(checkpointing).for_window(
-                input_ids, attention_mask, rows, training=self.model.training)
-            if self.batch.prefixes.actor is not None:
-                jobs = [(name, job) for name, job in jobs if name != "actor"]  # the prefill already built it
-            return self.overlap.window(jobs, weights, training=self.model.training, into=self.batch.prefixes)
-
-        return window
-
     def _wrap_datasets(self) -> bool:
         """Wrap the video (and, with the shared prefix, image) datasets; returns whether any has video."""
         self.train_dataset = self.media.wrap(self.train_dataset, "train")
@@ -350,83 +302,20 @@ class RollplexGRPOTrainer(GRPOTrainer):
         return [list(r.prompt_ids) for r in rows], None, generation_fields(rows)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        trl_generate = super()._generate_single_turn
+
         def rollout(pool):
-            return self._rollout(prompt_ids, images, multimodal_fields, num_generations, has_tool_images, pool=pool)
+            return self.rollout.run(prompt_ids, images, multimodal_fields, num_generations, has_tool_images,
+                                    trl_generate, pool=pool)
 
         def peer(pool):  # a pooled rollout's non-decoding rank: its decode window only
-            self._rollout_on_first_rank(prompt_ids, images, num_generations, has_tool_images, pool)
+            self.rollout.peer(prompt_ids, images, num_generations, has_tool_images, pool)
 
         try:
             return self.backend.generate(rollout, peer)
         except BaseException:
             self.batch.prefixes = StepPrefixes()  # a failed rollout leaves no state (nor its graph) behind
             raise
-
-    def _takes_shared_prefill(self, images, rows, num_generations: int, has_tool_images: bool) -> bool:
-        """Whether the transformers rollout prefills each prompt once (prefix/generation.py), which is where its
-        decode window opens."""
-        return not (not self.support.shared_prefill or num_generations < 2 or has_tool_images
-                    or (rows is None and images is not None))
-
-    def _rollout_on_first_rank(self, prompt_ids, images, num_generations, has_tool_images, pool) -> None:
-        """A TP peer's side of a pooled rollout (backends/megatron/pooled_rollout.py): the same decisions and
-        decode window as the first rank's `_rollout`, waiting where it decodes."""
-        self._decide_sharing(prompt_ids)
-        self.batch.prefixes = StepPrefixes()  # this rollout's: nothing an earlier one built serves it
-        rows = self.batch.generation_rows
-        if not self._takes_shared_prefill(images, rows, num_generations, has_tool_images):
-            pool.wait()
-            return
-        input_ids, attention_mask = trl_compat.generation_prompt_tensors(self, prompt_ids)
-        checkpointing = self._training_checkpointing()
-        prefill = self._rollout_prefill()
-        if prefill is not None:  # the first rank's prefill is a TP collective: run it alongside, keep it alike
-            for_actor = PrefillForActor(wanted=self._actor_from_prefill, into=self.batch.prefixes,
-                                        checkpointing=checkpointing)
-            prefill_for_rollout(prefill, input_ids, attention_mask, rows, for_actor=for_actor,
-                                forward_context=self.accelerator.autocast)
-        window = self._decode_window(rows, checkpointing)
-        if window is None:
-            pool.wait()
-            return
-        with window(input_ids, attention_mask):
-            pool.wait()
-
-    def _rollout(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images, pool=None):
-        self._decide_sharing(prompt_ids)
-        self.batch.prefixes = StepPrefixes()  # this rollout's: nothing an earlier one built serves it
-        rows = self.batch.generation_rows
-        if self.vllm_rollout is not None:
-            (completion_ids, logprobs), step = self.vllm_rollout.generate(
-                prompt_ids, images, rows, num_generations, weights_step=self.state.global_step,
-                synced_step=trl_compat.last_loaded_step(self), decode_window=self._decode_window(rows),
-                record=self._record, trainer=self)
-            trl_compat.set_last_loaded_step(self, step)
-            return completion_ids, logprobs
-        # The transformers rollout: prefill each prompt once for its G samples (prefix/generation.py). Continuous
-        # batching has its own prefix caching; TRL's own image path has no per-prompt identity.
-        if not self._takes_shared_prefill(images, rows, num_generations, has_tool_images):
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                 has_tool_images)
-
-        def log(rows_count: int, prompts: int) -> None:
-            self._record("rollplex/prefill_rows_per_prompt", rows_count / max(1, prompts))
-
-        checkpointing = self._training_checkpointing()
-        for_actor = PrefillForActor(wanted=self._actor_from_prefill, into=self.batch.prefixes,
-                                    checkpointing=checkpointing)
-        prefill = self._rollout_prefill()
-        window = self._decode_window(rows, checkpointing)
-        # the prefill runs in the autocast accelerate wraps the model's forward in, as TRL's `generate` does
-        with shared_prefill(self.accelerator.unwrap_model(self.model), rows, on_prefill=log,
-                            decode_window=pool.window(window) if pool is not None else window,
-                            shared_decode=self.rollplex["rollplex_shared_decode"], num_generations=num_generations,
-                            for_actor=for_actor,
-                            compile_decode=self.rollplex["rollplex_compile_decode"],
-                            forward_context=self.accelerator.autocast, decode_context=self._decode_weight_casts,
-                            prefill=prefill):
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                 has_tool_images)
 
     # ------------------------------------------------------------------------------------------------------------
     # Log-probs and loss
@@ -458,36 +347,6 @@ class RollplexGRPOTrainer(GRPOTrainer):
         with self.batch.scoring(rows, actor):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
-
-    def _decode_weight_casts(self) -> contextlib.AbstractContextManager:
-        """Entered around the decode steps, inside the decode window: under autocast the rollout model's frozen
-        weights are cast once per `generate` call instead of at every step (rollout/weight_casts.py). On the `hf`
-        backend those are the policy's frozen weights (PEFT's base weights, modules the user froze), and not while
-        a job building a graph on the policy runs concurrently (the overlap's actor job: marked as requiring grad,
-        the frozen weights would get gradients). On the Megatron backend the whole rollout model is frozen and the
-        window's jobs run the Megatron models' own parameters (`MegatronBackend.rollout_casts_cached`)."""
-        if self.accelerator.mixed_precision == "no":
-            return contextlib.nullcontext()
-        return self.backend.decode_weight_casts(
-            self.accelerator.unwrap_model(self.model), sharded=self.is_deepspeed_enabled or self.is_fsdp_enabled,
-            concurrent_graph_job=self.overlap is not None and self.overlap.graph_job_running)
-
-    def _rollout_prefill(self):
-        """How the transformers rollout prefills (`shared_prefill(prefill=)`): None for the decoding model's own
-        layers; on the Megatron backend its policy's prefix pass where that applies
-        (`MegatronBackend.rollout_prefill`)."""
-        return self.backend.rollout_prefill(training=self.model.training)
-
-    def _actor_from_prefill(self) -> bool:
-        """Whether this rollout's shared prefill can be the actor window's prefix: the window is this generation's
-        (no optimizer step between them, so the weights are the same), the actor's prefix would be built from the
-        same forward (the prefill runs under the trainer's autocast, as TRL's generate and the actor's job do, and,
-        when kept, checkpointed as training checkpoints; no phase memory, whose activation offload wraps the actor's
-        prefix job), and the prefill runs the policy: the transformers model that decodes, or on the Megatron
-        backend its policy's prefix pass (`_rollout_prefill`)."""
-        return (self.model.training and self.actor_window is not None and self.phase_memory is None
-                and self.backend.prefill_serves_actor(training=self.model.training)
-                and self._policy_prefix_jobs().actor)
 
     def _window_prompts(self):
         """The prompts of the micro-batches of this accumulation window that the current generation buffer serves

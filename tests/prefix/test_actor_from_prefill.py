@@ -35,7 +35,7 @@ def _train(model_path, dataset, tmp_path, name, monkeypatch, *, reuse: bool, **o
     trainer = RollplexGRPOTrainer(model=str(model_path), reward_funcs=varied_reward,
                                   args=RollplexGRPOConfig(**kwargs), train_dataset=dataset)
     if not reuse:
-        monkeypatch.setattr(trainer, "_actor_from_prefill", lambda: False)
+        monkeypatch.setattr(trainer.rollout, "actor_from_prefill", lambda: False)
     forwards = {"kept_prefills": 0, "graph_prefixes": 0}
     original_prefix, original_prefill = prefix_batch.prefix_forward, generation._prefill_unique
 

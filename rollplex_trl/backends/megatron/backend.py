@@ -559,7 +559,7 @@ class MegatronBackend:
         barrier ran), and a prefill kept for the actor window then is the actor's prefix, so the prompt's forward
         runs once per step instead of twice. At t > 1 it is a TP collective, and each rank holds its share of the
         KV heads: the decode reads them gathered (`gather_kv_heads`, through the shared-memory all-reduce where
-        it runs); the pooled rollout's peers run the same prefill (`RollplexGRPOTrainer._rollout_on_first_rank`),
+        it runs); the pooled rollout's peers run the same prefill (`TrainerRollout.peer`),
         and the first rank runs it with its own threads, as they do.
 
         M-RoPE models only: the decode steps continue positions from the state's `last_positions` (`rope_deltas`)
