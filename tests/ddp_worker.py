@@ -47,12 +47,13 @@ def main(checkpoint: str, out: str, share: str) -> None:
 
         schedule._finish_window = rigged
     local_sums = []
-    if trainer.sharing is not None:  # "auto": record what this process contributes to the cost decision
-        reduce_sums = trainer.sharing.reduce_sums
-        trainer.sharing.reduce_sums = lambda values: (local_sums.append(values), reduce_sums(values))[1]
+    decision = trainer.sharing.decision
+    if decision is not None:  # "auto": record what this process contributes to the cost decision
+        reduce_sums = decision.reduce_sums
+        decision.reduce_sums = lambda values: (local_sums.append(values), reduce_sums(values))[1]
     trainer.train()
     model = trainer.accelerator.unwrap_model(trainer.model)
-    choice = trainer.sharing.choice if trainer.sharing is not None else None
+    choice = decision.choice if decision is not None else None
     result = {"world": trainer.accelerator.num_processes, "share_actor": trainer.support.share_actor,
               "logs": [r for r in trainer.state.log_history if "loss" in r],
               "checksum": float(sum(p.double().sum() for p in model.parameters())),

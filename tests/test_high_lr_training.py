@@ -48,7 +48,7 @@ def test_lr_0_1_stays_finite_as_trl_does(tiny_qwen2_path, tmp_path, monkeypatch,
     monkeypatch.setattr(prefix_forward_module, "group_rows", recording)
     ours, our_logs = _run(RollplexGRPOTrainer, RollplexGRPOConfig, tiny_qwen2_path, tmp_path / "ours", bf16)
     _, trl_logs = _run(GRPOTrainer, GRPOConfig, tiny_qwen2_path, tmp_path / "trl", bf16)
-    assert ours.suffix_attention == "cascade"
+    assert ours.sharing.suffix_attention == "cascade"
     assert any(padded_groups), "no micro-batch served a subset of its window's prompts: the case is not exercised"
     assert len(our_logs) == len(trl_logs) == STEPS
     for logs in (our_logs, trl_logs):

@@ -158,11 +158,11 @@ def test_auto_shares_only_where_the_modelled_cost_says_it_pays(tiny_qwen2_path, 
                                                    rollplex_overlap="auto", **low))
         assert trainer.support.share_scoring and trainer.overlap is not None  # undecided until the first rollout
         trainer.train()
-    choice = trainer.sharing.choice
+    choice = trainer.sharing.decision.choice
     assert choice is not None and not choice.share, choice
     assert choice.shape.completion_tokens == 96 and choice.shape.prompt_share < 0.5
     assert "rollplex_share_prefix=auto: off" in caplog.text
-    assert not trainer.sharing_on
+    assert not trainer.sharing.on
     # the support decision (what the configuration allows) stays as made at construction: decided once
     assert trainer.support.share_scoring and trainer.support.share_actor
     assert trainer.overlap is None and trainer.actor_window is None
@@ -178,7 +178,7 @@ def test_auto_shares_only_where_the_modelled_cost_says_it_pays(tiny_qwen2_path, 
     trainer = RollplexGRPOTrainer(model=str(tiny_vl_path), reward_funcs=varied_reward, train_dataset=video_dataset,
                                   args=_config(tmp_path, "auto", output_dir=str(tmp_path / "high-auto"), **high))
     trainer.train()
-    assert trainer.sharing.choice.share and trainer.sharing.choice.shape.visual_tokens > 0
+    assert trainer.sharing.decision.choice.share and trainer.sharing.decision.choice.shape.visual_tokens > 0
     auto = [r for r in trainer.state.log_history if "loss" in r]
     on = _run(tiny_vl_path, video_dataset, tmp_path, "on", output_dir=str(tmp_path / "high-on"), **high)
     for a, b in zip(auto, on, strict=True):
@@ -201,8 +201,8 @@ def test_forced_overlap_keeps_auto_sharing_on(tiny_qwen2_path, tmp_path, caplog)
                                       args=_config(tmp_path, "auto", output_dir=str(tmp_path / "forced"), **low))
         trainer.train()
     assert caplog.text.count("rollplex_share_prefix=auto: on, not left to the cost model") == 1
-    assert trainer.sharing is None
-    assert trainer.sharing_on and trainer.support.share_actor and trainer.overlap is not None
+    assert trainer.sharing.decision is None
+    assert trainer.sharing.on and trainer.support.share_actor and trainer.overlap is not None
     forced = [r for r in trainer.state.log_history if "loss" in r]
     on = _run(tiny_qwen2_path, _text_dataset(), tmp_path, "on", output_dir=str(tmp_path / "on"), **low)
     assert len(forced) == len(on) == 2

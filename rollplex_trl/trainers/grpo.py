@@ -36,12 +36,9 @@ from rollplex_trl.callbacks.trackers import TimelineImageCallback
 from rollplex_trl.config import rollplex_options
 from rollplex_trl.data.prepared import PREPARED_KEY, VIDEO_COLUMNS
 from rollplex_trl.data.prompt import PreparedPrompt, check_rows_match_ids, generation_fields
-from rollplex_trl.memory.model_dims import dims_from_config
 from rollplex_trl.overlap import OverlapExecutor, OverlapSchedule, Span, Timeline
-from rollplex_trl.prefix import unwrap_model
 from rollplex_trl.prefix.actor import ActorWindow
 from rollplex_trl.prefix.batch import StepPrefixes
-from rollplex_trl.prefix.cost import SharingDecision
 from rollplex_trl.rollout.trl_vllm import RollplexVLLMGeneration, VLLMRollout
 from rollplex_trl.trainers.checkpoint import (
     CheckpointStaging,
@@ -55,6 +52,7 @@ from rollplex_trl.trainers.media import DatasetPreparation, media_options
 from rollplex_trl.trainers.memory import PhaseMemory, vllm_sleep_for_memory
 from rollplex_trl.trainers.rewards import reject_non_finite_rewards
 from rollplex_trl.trainers.rollout import TrainerRollout
+from rollplex_trl.trainers.sharing import PrefixSharing
 from rollplex_trl.trainers.support import Support, decide_support, log_notices, refuse_before_setup
 
 logger = logging.getLogger(__name__)
@@ -97,8 +95,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         log_notices(self.support, self.accelerator.is_main_process)
         if sleep_notice is not None and self.accelerator.is_main_process:
             logger.warning(sleep_notice)
-        self.suffix_attention = self._decide_suffix_attention()
-        self.sharing = self._build_sharing_decision()  # "auto": the cost decision at the first rollout
+        self.sharing = PrefixSharing.build(self)  # trainers/sharing.py: the suffix path, and auto's data decision
         self.batch = BatchContext()
         self.actor_window = ActorWindow(
             self.accelerator.autocast, trl_compat.pad_token_id(self),
@@ -142,70 +139,22 @@ class RollplexGRPOTrainer(GRPOTrainer):
             continuous_batching=bool(self.use_transformers_continuous_batching),
             num_beams=getattr(generation_config, "num_beams", 1) or 1, backend=self.rollplex["rollplex_backend"])
 
-    def _decide_suffix_attention(self) -> str:
-        """"cascade" or "concat" for the shared-prefix suffix passes (prefix/suffix_attention.py), decided once from
-        the configuration, the model and the device (the same on every rank); the Megatron backend has its own."""
-        if not (self.support.share_scoring or self.support.share_actor):
-            return "concat"
-        mode, reason = self.backend.suffix_attention(self.rollplex["rollplex_suffix_attention"],
-                                                     unwrap_model(self.accelerator.unwrap_model(self.model)),
-                                                     self.accelerator.device)
-        if reason is not None and self.accelerator.is_main_process:
-            logger.warning("rollplex_suffix_attention=auto: concat (the prompt's K/V copied per row): %s", reason)
-        return mode
-
-    def _build_sharing_decision(self) -> SharingDecision | None:
-        """`rollplex_share_prefix="auto"` where the configuration supports sharing: whether it pays is decided from
-        the first rollout's prompt shapes by the modelled cost of both paths (prefix/cost.py)."""
-        if self.rollplex["rollplex_share_prefix"] != "auto" or not self.support.share_scoring:
-            return None
-        if self.rollplex["rollplex_overlap"] == "on":  # forced on: it holds, so auto may not take its window away
-            if self.accelerator.is_main_process:
-                logger.warning("rollplex_share_prefix=auto: on, not left to the cost model: rollplex_overlap='on' "
-                               "runs the prefix work in the decode window, which needs the shared prefix")
-            return None
-        config = self.accelerator.unwrap_model(self.model).config
-        accelerator = self.accelerator
-
-        def reduce_sums(values: list[float]) -> list[float]:
-            if accelerator.num_processes == 1:
-                return values
-            total = accelerator.reduce(torch.tensor(values, dtype=torch.float64, device=accelerator.device), "sum")
-            return total.tolist()
-
-        self._visual_token_ids = {i for i in (getattr(config, "image_token_id", None),
-                                              getattr(config, "video_token_id", None)) if i is not None}
-        warn = logger.warning if accelerator.is_main_process else (lambda message: None)
-        return SharingDecision(dims_from_config(config, getattr(config, "model_type", "model")),
-                               attention=self.suffix_attention, group_size=self.num_generations,
-                               completion_bound=self.max_completion_length, reduce_sums=reduce_sums, warn=warn)
-
     def _decide_sharing(self, prompt_ids: list[list[int]]) -> None:
-        """The first rollout's (or scoring pass's) prompts decide `auto` once; where sharing does not pay, every
-        shared path is switched off for the run (generation's shared prefill stays: it is always cheaper)."""
-        if self.sharing is None or self.sharing.decided:
-            return
-        visual = self._visual_token_ids
-        choice = self.sharing.decide([len(ids) for ids in prompt_ids],
-                                     [sum(1 for t in ids if t in visual) for ids in prompt_ids])
-        if choice.share:
-            return
-        self.actor_window = None  # `sharing_on` is False from now on: the components that serve it go
-        if self.overlap is not None:  # "auto" (a forced "on" keeps the sharing: _build_sharing_decision)
-            self.overlap.close()
-            self.overlap = None
-
-    @property
-    def sharing_on(self) -> bool:
-        """Whether the shared prefix runs: the configuration supports it (`support`, decided at construction) and,
-        under rollplex_share_prefix="auto", it pays for the prompts of the first rollout (`sharing`, decided once
-        then; on until decided, which happens before any pass that shares)."""
-        choice = self.sharing.choice if self.sharing is not None else None
-        return self.support.share_scoring and (choice is None or choice.share)
+        """The first rollout's (or scoring pass's) prompts make `auto`'s data decision once (trainers/sharing.py)."""
+        if self.sharing.decide(prompt_ids):
+            self._sharing_turned_off()
 
     def _decide_sharing_from_mask(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
-        if self.sharing is not None and not self.sharing.decided:
-            self._decide_sharing([ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)])
+        if self.sharing.decide_from_mask(prompt_ids, prompt_mask):  # a custom rollout_func's batch
+            self._sharing_turned_off()
+
+    def _sharing_turned_off(self) -> None:
+        """Sharing does not pay here: the components serving it go (generation's shared prefill stays: it is
+        always cheaper)."""
+        self.actor_window = None
+        if self.overlap is not None:
+            self.overlap.close()
+            self.overlap = None
 
     def _build_overlap(self) -> OverlapSchedule:
         o = self.rollplex
@@ -400,7 +349,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
             self._log_prefix_use(actor.rows or input_ids.size(0), len(actor.key_to_prompt))
             return logps, entropies, None
         # every other pass (reference, old, the actor outside a window): each prompt once per call where it can
-        share = self.sharing_on and self._shareable(rows, vision_kwargs)
+        share = self.sharing.on and self._shareable(rows, vision_kwargs)
         precomputed = None
         if share and not torch.is_grad_enabled() and self.overlap is not None:  # built in the decode window
             precomputed = self.batch.prefixes.take_scoring(reference=model is self.ref_model)

@@ -179,7 +179,7 @@ class TrainerRollout:
         policy, ref, backend = t.backend.prefix_job_models(policy, ref, training=t.model.training)
         # PEFT: the old pass would run the policy while its adapters are toggled for the reference (module state)
         return PrefixJobs(policy=policy, ref_model=ref, old=needs_old and not is_peft,
-                          actor=t.sharing_on and window_is_generation, autocast=t.accelerator.autocast,
+                          actor=t.sharing.on and window_is_generation, autocast=t.accelerator.autocast,
                           prompts_per_chunk=t.rollplex["rollplex_prefix_chunk_prompts"], **backend)
 
     def training_checkpointing(self) -> Callable[[], contextlib.AbstractContextManager]:

@@ -27,7 +27,7 @@ class Support:
 
     Frozen: the one choice that depends on data, whether sharing the prefix pays under rollplex_share_prefix="auto",
     is not made here but once at the first rollout (prefix/cost.py `SharingDecision`, logged once); the trainer's
-    `sharing_on` combines the two."""
+    `sharing.on` (trainers/sharing.py) combines the two."""
 
     share_scoring: bool  # reference/old log-probs from each prompt's prefix computed once
     share_actor: bool  # the loss pass's prefix once per prompt per accumulation window

@@ -240,7 +240,7 @@ def test_trainer_on_vs_off_same_numbers(tiny_vl_path, tmp_path, monkeypatch, cas
     """3 GRPO steps on video with shared-prefix decoding on vs off, same seed: loss, reward, KL, grad norm 1e-4."""
     from datasets import Dataset
 
-    import rollplex_trl.trainers.grpo as grpo
+    import rollplex_trl.trainers.rollout as trainer_rollout
     from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 
     from helpers import video_rows
@@ -257,7 +257,7 @@ def test_trainer_on_vs_off_same_numbers(tiny_vl_path, tmp_path, monkeypatch, cas
             kwargs.setdefault("shared_decode", mode)
             return shared_prefill(*args, **kwargs)
 
-        monkeypatch.setattr(grpo, "shared_prefill", patched)
+        monkeypatch.setattr(trainer_rollout, "shared_prefill", patched)
         config = RollplexGRPOConfig(
             output_dir=str(tmp_path / mode), max_steps=3, per_device_train_batch_size=4, num_generations=4,
             max_completion_length=6, learning_rate=5e-3, beta=0.1, logging_steps=1, report_to=[], seed=11,
