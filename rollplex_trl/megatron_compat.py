@@ -8,7 +8,9 @@ What lives here, each with why:
   only when ``torch.cuda.is_available()`` is False, is idempotent, and patches an attribute of a megatron-core module
   or class (never a torch global), so code outside megatron-core sees torch unchanged;
 - :func:`route_tensor_parallel_all_reduce`: megatron-core's tensor-parallel all-reduces of one group through
-  another implementation (the shared-memory all-reduce of backends/megatron/shm_all_reduce.py).
+  another implementation (the shared-memory all-reduce of backends/megatron/shm_all_reduce.py);
+- :func:`core_attention_base`: megatron-core's ``DotProductAttention``, the base of the prefix pass's core
+  attention (backends/megatron/prefix.py), with the attributes and ``forward`` parameters that subclass relies on.
 """
 
 from __future__ import annotations
@@ -245,3 +247,25 @@ def route_tensor_parallel_all_reduce(group, all_reduce: Callable[[torch.Tensor],
                 module.torch = torch
 
     return undo
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The core attention the prefix pass subclasses
+# ------------------------------------------------------------------------------------------------------------------
+
+# Why: PrefixCoreAttention (backends/megatron/prefix.py) subclasses DotProductAttention (a K/V hook, and one SDPA
+# call where it applies) and reads the instance attributes below, which DotProductAttention.__init__ sets; megatron
+# documents none of them. tests/megatron/test_megatron_compat.py checks each one against the installed sources.
+CORE_ATTENTION_ATTRIBUTES = ("attention_dropout", "softmax_offset", "scale_mask_softmax", "softmax_scale",
+                             "hidden_size_per_partition")
+CORE_ATTENTION_SOFTMAX_ATTRIBUTES = ("window_size",)  # read on `scale_mask_softmax` (FusedScaleMaskSoftmax)
+CORE_ATTENTION_FORWARD = ("query", "key", "value", "attention_mask", "attn_mask_type", "attention_bias",
+                          "packed_seq_params")  # the forward parameters the subclass takes and passes on
+
+
+def core_attention_base() -> type:
+    """megatron-core's ``DotProductAttention`` (imported here, not at this module's import: megatron-core loads
+    only when the backend builds a model)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return DotProductAttention

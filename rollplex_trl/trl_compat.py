@@ -7,6 +7,8 @@ What lives here, each with why:
 - imports from inside TRL modules (not part of `trl`'s public namespace);
 - `TRL_OVERRIDES`: the private methods `RollplexGRPOTrainer` overrides, with the parameters it relies on;
 - accessors for private attributes of TRL's trainer and of its vLLM generation object;
+- the trainer that runs a callback (a call-stack search: transformers never hands callbacks their trainer);
+- transformers' cache classes the prefix caches subclass, with the attributes and methods they rely on;
 - the runtime patches: building our vLLM generation object where TRL builds its own, wrapping TRL's `_generate` in a
   memory phase, reading TRL's fused-LM-head closure, and the transformers gradient-checkpointing attributes the
   prefix pass reads and sets;
@@ -55,7 +57,31 @@ from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402  the cla
 from trl.trainer.grpo_trainer import is_async_callable  # noqa: E402  TRL's own test for async reward functions
 from trl.trainer.utils import RepeatSampler, ensure_master_addr_port  # noqa: E402  sampler we extend; env for vLLM
 
-__all__ = ["RepeatSampler", "VLLMGeneration", "ensure_master_addr_port", "is_async_callable", "profiling_context"]
+__all__ = ["RepeatSampler", "VLLMGeneration", "ensure_master_addr_port", "is_async_callable", "profiling_context",
+           "Cache", "CacheLayerMixin", "DynamicLayer"]
+
+# ------------------------------------------------------------------------------------------------------------------
+# transformers' cache classes, subclassed by the prefix pass (prefix/forward.py, prefix/suffix_attention.py) and by
+# shared-prefix decoding (prefix/shared_decode.py). Why here: transformers documents no cache-layer subclassing API;
+# the subclasses set the attributes below directly (a layer built around existing K/V, never lazily initialized)
+# and inherit DynamicLayer's methods that read them. tests/test_trl_compat.py checks each name.
+# ------------------------------------------------------------------------------------------------------------------
+
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer  # noqa: E402
+
+# instance attributes our layers set and transformers' Cache / DynamicLayer read
+CACHE_LAYER_ATTRIBUTES = ("keys", "values", "device", "is_initialized")
+# methods of DynamicLayer our layers call or inherit: name -> the parameters we pass or rely on
+CACHE_LAYER_METHODS: dict[str, tuple[str, ...]] = {
+    "lazy_initialization": ("key_states", "value_states"),  # _CaptureLayer's first update
+    "update": ("key_states", "value_states"),  # overridden by every layer; Cache calls it positionally
+    "get_seq_length": (),  # inherited by _ReadOnlyLayer / CascadeSuffixLayer: reads keys and is_initialized
+    "get_mask_sizes": ("query_length",),  # inherited likewise
+    "crop": ("tokens_to_remove",),  # SharedPrefixLayer follows DynamicLayer's negative-count convention
+}
+# the abstract methods of CacheLayerMixin SharedPrefixLayer implements (a new one would make it unbuildable)
+CACHE_LAYER_ABSTRACT = frozenset({"lazy_initialization", "update", "get_mask_sizes", "get_seq_length",
+                                  "get_max_length"})
 
 # ------------------------------------------------------------------------------------------------------------------
 # Private methods RollplexGRPOTrainer overrides: name -> (parameters we rely on, why)
@@ -219,6 +245,29 @@ def resolve_accelerate_config_argument(launcher_args: list[str]) -> list[str]:
 def trainer_init_arguments(*args: Any, **kwargs: Any) -> dict[str, Any]:
     """GRPOTrainer.__init__'s arguments by name (model, reward_funcs, args, train_dataset, ...), before it runs."""
     return inspect.signature(trl.GRPOTrainer.__init__).bind(None, *args, **kwargs).arguments
+
+
+def trainer_running_callback(callback: Any, max_frames: int = 30) -> Any:
+    """The Trainer whose callback handler holds `callback`, found among the callers' frames (None if none is).
+
+    Why a stack search: transformers passes callbacks the model, optimizer and dataloaders but never the trainer,
+    and a callback given in ``callbacks=[...]`` exists before its trainer does; the training loop that fires
+    ``on_train_begin`` is a method of that trainer, so its ``self`` is a few frames up. Callers that can pass the
+    trainer explicitly (``TimelineImageCallback(trainer)``, as RollplexGRPOTrainer does) never get here.
+    """
+    frame = inspect.currentframe()
+    try:
+        for _ in range(max_frames):
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            handler = getattr(owner, "callback_handler", None)
+            if handler is not None and any(cb is callback for cb in getattr(handler, "callbacks", [])):
+                return owner
+            frame = frame.f_back
+    finally:
+        del frame  # frames hold their locals: do not keep the stack alive
+    return None
 
 
 # ------------------------------------------------------------------------------------------------------------------

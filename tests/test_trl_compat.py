@@ -179,3 +179,59 @@ def test_checkpointing_as_restores_what_generation_turned_off(tiny_vl_path):
     after = trl_compat.checkpointing_state(model)
     assert [(m, f) for m, f, _ in after] == [(m, f) for m, f, _ in generation]
     assert all(a is b for (_, _, a), (_, _, b) in zip(after, generation, strict=True))
+
+
+def test_the_cache_layer_internals_our_layers_rely_on_still_hold():
+    """prefix/forward.py, prefix/suffix_attention.py and prefix/shared_decode.py subclass transformers' cache classes
+    and set `keys`, `values`, `device`, `is_initialized` themselves; DynamicLayer's inherited methods must read them
+    as below, or the prefix caches silently serve the wrong length."""
+    from transformers import cache_utils
+
+    assert trl_compat.DynamicLayer is cache_utils.DynamicLayer
+    assert trl_compat.CacheLayerMixin is cache_utils.CacheLayerMixin and trl_compat.Cache is cache_utils.Cache
+    assert issubclass(trl_compat.DynamicLayer, trl_compat.CacheLayerMixin)
+    assert trl_compat.CacheLayerMixin.__abstractmethods__ <= trl_compat.CACHE_LAYER_ABSTRACT, (
+        "CacheLayerMixin has new abstract methods: SharedPrefixLayer must implement them")
+    for name, params in trl_compat.CACHE_LAYER_METHODS.items():
+        method = getattr(trl_compat.DynamicLayer, name, None)
+        assert method is not None, f"transformers {transformers.__version__}: DynamicLayer.{name} is gone"
+        missing = [p for p in params if p not in inspect.signature(method).parameters]
+        assert not missing, f"DynamicLayer.{name} lost parameters {missing}"
+    assert "layers" in inspect.signature(trl_compat.Cache.__init__).parameters
+
+    fresh = trl_compat.DynamicLayer()  # what our layers' super().__init__() leaves
+    for name in trl_compat.CACHE_LAYER_ATTRIBUTES:
+        if name != "device":  # set by lazy_initialization (and by our layers)
+            assert hasattr(fresh, name), f"DynamicLayer() no longer sets {name}"
+    assert fresh.is_initialized is False and fresh.keys is None and fresh.get_seq_length() == 0
+    k, v = torch.zeros(2, 1, 3, 4), torch.ones(2, 1, 3, 4)
+    fresh.lazy_initialization(k, v)  # _CaptureLayer's first update
+    assert fresh.is_initialized is True and fresh.device == k.device
+    built = trl_compat.DynamicLayer()  # _ReadOnlyLayer / CascadeSuffixLayer: built around existing K/V
+    built.keys, built.values, built.device, built.is_initialized = k, v, k.device, True
+    assert built.get_seq_length() == 3 and built.get_mask_sizes(2) == (5, 0)
+    cache = trl_compat.Cache(layers=[built])
+    assert cache.get_seq_length() == 3
+    keys, values = cache.update(torch.zeros(2, 1, 1, 4), torch.zeros(2, 1, 1, 4), 0)
+    assert keys.shape[-2] == 4  # DynamicLayer.update appends to the keys we set
+
+
+def test_trainer_running_callback_finds_the_trainer_a_few_frames_up():
+    from types import SimpleNamespace
+
+    callback = object()
+
+    class Loop:
+        def __init__(self):
+            self.callback_handler = SimpleNamespace(callbacks=[callback])
+
+        def train(self):
+            return self.fire()
+
+        def fire(self):
+            return trl_compat.trainer_running_callback(callback)
+
+    loop = Loop()
+    assert loop.train() is loop
+    assert trl_compat.trainer_running_callback(callback) is None  # not called from inside a trainer
+    assert trl_compat.trainer_running_callback(object(), max_frames=1) is None

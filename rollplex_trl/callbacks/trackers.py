@@ -17,7 +17,6 @@ warning; training never stops for a picture.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import tempfile
 from pathlib import Path
@@ -25,32 +24,11 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from rollplex_trl import trl_compat
+
 logger = logging.getLogger(__name__)
 
 IMAGE_TRACKERS = ("tensorboard", "wandb", "trackio")
-_MAX_FRAMES_SEARCHED = 30
-
-
-def _find_trainer(callback: TrainerCallback) -> Any:
-    """The Trainer whose callback handler holds `callback`, found among the callers' frames.
-
-    transformers passes callbacks the model, optimizer and dataloaders but not the trainer, and a callback given in
-    ``callbacks=[...]`` exists before its trainer does; the training loop that calls ``on_train_begin`` is a method
-    of that trainer, so its ``self`` is a few frames up.
-    """
-    frame = inspect.currentframe()
-    try:
-        for _ in range(_MAX_FRAMES_SEARCHED):
-            if frame is None:
-                return None
-            owner = frame.f_locals.get("self")
-            handler = getattr(owner, "callback_handler", None)
-            if handler is not None and any(cb is callback for cb in getattr(handler, "callbacks", [])):
-                return owner
-            frame = frame.f_back
-    finally:
-        del frame  # frames hold their locals: do not keep the stack alive
-    return None
 
 
 def _report_to(args: Any) -> list[str]:
@@ -89,7 +67,7 @@ class TimelineImageCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.trainer is None:
-            self.trainer = _find_trainer(self)
+            self.trainer = trl_compat.trainer_running_callback(self)  # given in callbacks=[...]
             if self.trainer is None:
                 logger.warning("TimelineImageCallback: no trainer found; pass it as TimelineImageCallback(trainer)")
 

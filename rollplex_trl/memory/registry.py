@@ -16,6 +16,7 @@ from rollplex_trl.memory.lifetime import (
     window,
 )
 from rollplex_trl.memory.storage import Movable, TensorGroup
+from rollplex_trl.torch_compat import tensor_storage_key
 
 
 @dataclass
@@ -106,11 +107,11 @@ class MemoryRegistry:
 
     def _check_unshared(self, name: str, tensors: Sequence[torch.Tensor]) -> None:
         # Two objects over one storage would move it twice (and free it under the other's feet).
-        mine = {t.untyped_storage()._cdata for t in tensors}
+        mine = {tensor_storage_key(t) for t in tensors}
         for obj in self:
             if obj.name == name or not isinstance(obj.target, TensorGroup) or callable(obj.target._tensors):
                 continue
-            if mine & {t.untyped_storage()._cdata for t in obj.target.tensors()}:
+            if mine & {tensor_storage_key(t) for t in obj.target.tensors()}:
                 raise ValueError(f"{name}: shares a tensor storage with the registered object {obj.name!r}; a "
                                  "storage can belong to one object only")
 

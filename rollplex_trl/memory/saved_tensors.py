@@ -36,6 +36,7 @@ from contextlib import contextmanager
 import torch
 
 from rollplex_trl.memory.storage import HostArena
+from rollplex_trl.torch_compat import tensor_version
 
 
 class _Parked:
@@ -90,7 +91,7 @@ class SavedTensorOffload:
         # Same tensor saved by several ops: park it once. The weakref proves the id still names this tensor, the
         # version counter that it was not modified in place since.
         seen = self._by_id.get(id(t))
-        if seen is not None and seen[0]() is t and seen[1] == t._version:
+        if seen is not None and seen[0]() is t and seen[1] == tensor_version(t):
             seen[2].pending_unpacks += 1
             return seen[2]
         cuda = t.device.type == "cuda" and self.host_device.type == "cpu"
@@ -100,7 +101,7 @@ class SavedTensorOffload:
             parked = self._park_on_host(t, cuda)
         parked.pending_unpacks = 1
         self._parked.append(parked)
-        self._by_id[id(t)] = (weakref.ref(t), t._version, parked)
+        self._by_id[id(t)] = (weakref.ref(t), tensor_version(t), parked)
         self.parked_bytes_total += parked.nbytes
         return parked
 

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from rollplex_trl.memory.lifetime import Placement
+from rollplex_trl.torch_compat import storage_key
 
 
 class Movable(Protocol):
@@ -88,8 +89,8 @@ class TensorGroup:
         seen: dict[int, torch.UntypedStorage] = {}
         for t in self.tensors():
             s = t.untyped_storage()
-            # _cdata identifies the StorageImpl; views of one tensor share it, so they move once.
-            seen.setdefault(s._cdata, s)
+            # storage_key identifies the StorageImpl; views of one tensor share it, so they move once.
+            seen.setdefault(storage_key(s), s)
         return list(seen.values())
 
     def nbytes(self) -> int:
@@ -107,16 +108,16 @@ class TensorGroup:
         self._sizes = {}
         if self.arena is not None:
             for s in storages:
-                key = (id(self), s._cdata)
+                key = (id(self), storage_key(s))
                 if not (self.immutable and key in self.arena):
                     self.arena.write_storage(key, s)
-                self._sizes[s._cdata] = s.nbytes()
+                self._sizes[storage_key(s)] = s.nbytes()
                 s.resize_(0)
             release_free_memory()
             self.placement = Placement.HOST
             return
         for s in storages:
-            key, n = s._cdata, s.nbytes()
+            key, n = storage_key(s), s.nbytes()
             buf = self._host.get(key)
             if buf is None or buf.numel() != n:
                 buf = host_buffer(n, s.device, self.host_device)
@@ -134,7 +135,7 @@ class TensorGroup:
         from_host = self.placement is Placement.HOST
         storages = self._storages()
         for s in storages:
-            key = s._cdata
+            key = storage_key(s)
             if key not in self._sizes:
                 continue  # a storage this group never moved (a callable group's new tensors): already in place
             s.resize_(self._sizes[key])
@@ -155,7 +156,7 @@ class TensorGroup:
     def free(self) -> None:
         if self.placement is Placement.DEVICE:
             storages = self._storages()
-            self._sizes = {s._cdata: s.nbytes() for s in storages}
+            self._sizes = {storage_key(s): s.nbytes() for s in storages}
             for s in storages:
                 s.resize_(0)
         self._host.clear()

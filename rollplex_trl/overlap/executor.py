@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from rollplex_trl.torch_compat import tensor_version
+
 
 class OverlapError(RuntimeError):
     """A prefix job failed, timed out, or a barrier was violated."""
@@ -59,10 +61,10 @@ class WeightGuard:
 
     def __init__(self, parameters: Iterable[torch.nn.Parameter]) -> None:
         self._params = list(parameters)
-        self._versions = [p._version for p in self._params]
+        self._versions = [tensor_version(p) for p in self._params]
 
     def check(self, what: str) -> None:
-        changed = [i for i, (p, v) in enumerate(zip(self._params, self._versions)) if p._version != v]
+        changed = [i for i, (p, v) in enumerate(zip(self._params, self._versions)) if tensor_version(p) != v]
         if changed:
             raise OverlapError(
                 f"{len(changed)} parameter(s) were written while {what} was reading θ_k (first: index {changed[0]}, "

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rollplex_trl.torch_compat import cpu_flash_attention, cpu_flash_attention_backward
+
 NEG_INF = float("-inf")
 
 
@@ -86,8 +88,7 @@ def _partial_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     bias = None
     if keep is not None:
         bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, NEG_INF)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
-                                                                          scale=scale)
+    out, lse = cpu_flash_attention(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
     lse = lse.unsqueeze(-1)
     if keep is not None:
         lse = lse.masked_fill(~keep.any(-1, keepdim=True), NEG_INF)
@@ -230,8 +231,8 @@ def reference_attention(
 # The scoring passes: differentiable cascade attention on PyTorch's fused CPU kernels
 # ----------------------------------------------------------------------------------------------------------------
 
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_flash = cpu_flash_attention
+_flash_backward = cpu_flash_attention_backward
 
 
 def _to_prompt_major(x: torch.Tensor, groups: RowGroups, hkv: int) -> torch.Tensor:

@@ -25,13 +25,14 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
-from transformers.cache_utils import Cache, DynamicLayer
 
 from rollplex_trl.prefix.cascade import group_rows
 from rollplex_trl.prefix.state import PrefixState
 from rollplex_trl.prefix.suffix_attention import CascadeSuffixLayer, cascade_attention_switched
 from rollplex_trl.trl_compat import (
     CHECKPOINT_WITH_CACHE_FLAG,
+    Cache,
+    DynamicLayer,
     checkpointed_forwards_within,
     checkpointing_is_non_reentrant,
     fused_head_settings,

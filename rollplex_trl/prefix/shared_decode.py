@@ -30,7 +30,6 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rollplex_trl import trl_compat
@@ -54,7 +53,7 @@ _LOGGED: set[str] = set()
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class SharedPrefixLayer(CacheLayerMixin):
+class SharedPrefixLayer(trl_compat.CacheLayerMixin):
     """One decoder layer's cache: the U prompts' K/V (read-only) and a growing, preallocated per-row suffix.
 
     `offset` is how many positions HF believes the prompt part has (the batch's prompt width - 1); the stored prompt
@@ -145,7 +144,7 @@ class SharedPrefixLayer(CacheLayerMixin):
         raise NotImplementedError("shared-prefix decoding does not support beam search (falls back before this)")
 
 
-class SharedPrefixCache(Cache):
+class SharedPrefixCache(trl_compat.Cache):
     """A `Cache` of `SharedPrefixLayer`s, one per decoder layer."""
 
     def __init__(self, layers: list[SharedPrefixLayer]):

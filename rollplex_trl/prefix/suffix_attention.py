@@ -31,7 +31,6 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicLayer
 
 from rollplex_trl import trl_compat
 from rollplex_trl.prefix.cascade import RowGroups, causal_cascade_attention
@@ -45,7 +44,7 @@ _NAME = "rollplex_suffix_{}"  # the registered wrapper of each base implementati
 _TAG = "_rollplex_cascade_layer"  # attribute on the key tensor a CascadeSuffixLayer served
 
 
-class CascadeSuffixLayer(DynamicLayer):
+class CascadeSuffixLayer(trl_compat.DynamicLayer):
     """A decoder layer's cache in a cascade suffix pass: serves the row's own K/V only, tagged with this layer, whose
     prompt K/V (U, Hkv, P-1, D), prompt padding mask (U, P-1) and row grouping the attention wrapper reads.
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rollplex_trl import vllm_compat
 from rollplex_trl.rollout.engine import RolloutRequest, RolloutSample, SamplingSpec
 from rollplex_trl.rollout.sources import iter_sources, weights_bound_to
 from rollplex_trl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, SyncStats, WeightSync
@@ -129,7 +130,7 @@ class VLLMColocateEngine:
     # ------------------------------------------------------------------------------------------------------------
 
     def _build(self):
-        from vllm import LLM
+        LLM = vllm_compat.llm_class()  # noqa: N806  vLLM's class, after the version check
 
         c = self.config
         if self.sleep_enabled and cpu_platform():
@@ -154,14 +155,11 @@ class VLLMColocateEngine:
     @property
     def model(self) -> torch.nn.Module:
         """vLLM's in-process model (this rank's shard)."""
-        executor = self.llm.llm_engine.model_executor
-        worker = executor.driver_worker
-        worker = getattr(worker, "worker", worker)  # vLLM >= 0.2x wraps the worker
-        return worker.model_runner.model
+        return vllm_compat.inprocess_model(self.llm)
 
     @property
     def max_model_len(self) -> int:
-        return self.llm.llm_engine.model_config.max_model_len
+        return vllm_compat.max_model_len(self.llm)
 
     # ------------------------------------------------------------------------------------------------------------
     # Weights

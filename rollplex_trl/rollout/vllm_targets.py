@@ -22,6 +22,7 @@ from collections.abc import Iterable
 
 import torch
 
+from rollplex_trl import vllm_compat
 from rollplex_trl.rollout.layout import Target
 from rollplex_trl.rollout.sources import TrainerTensor
 from rollplex_trl.sharding.layouts import LayoutError, ShardSpec, VocabPadding, shape_2d
@@ -31,17 +32,6 @@ logger = logging.getLogger(__name__)
 
 # HF name prefixes of the Qwen2.5-VL family; their vLLM names sit under `language_model.` / `visual.`
 _VL_PREFIXES = ("model.language_model.", "model.visual.")
-
-
-def is_repacked(module: torch.nn.Module) -> bool:
-    return hasattr(module, "cpu_linear")
-
-
-def _vllm_name_of(model: torch.nn.Module, hf_name: str) -> str | None:
-    """vLLM's own renaming of an HF tensor the table does not know, only to tell whether vLLM loads it (None: vLLM
-    drops it)."""
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    return mapper._map_name(hf_name) if mapper is not None and hasattr(mapper, "_map_name") else hf_name
 
 
 class VLLMTargets:
@@ -59,7 +49,8 @@ class VLLMTargets:
         is_vl = any(name.startswith(_VL_PREFIXES) for name in shapes)
         groups, unclaimed = match_groups(shapes, config_head_dims(config), is_vl)
         for name in unclaimed:
-            if _vllm_name_of(model, name) in self.params:
+            # vLLM's own renaming of a tensor the table does not know, only to tell whether vLLM loads it
+            if vllm_compat.hf_to_vllm_name(model, name) in self.params:
                 raise LayoutError(f"vLLM loads {name}, which no parameter kind of rollplex_trl/sharding/models.py "
                                   "describes; add its Kind there")
             self.skipped.append(name)
@@ -90,11 +81,11 @@ class VLLMTargets:
     def _new_target(self, name: str, module_name: str, attr: str, module: torch.nn.Module,
                     shape: tuple[int, ...]) -> Target:
         param = self.params[name]
-        repacked = attr == "weight" and is_repacked(module)
+        repacked = attr == "weight" and vllm_compat.is_repacked(module)
         keeps = repacked and param.numel() > 0
         if repacked and not keeps:
             # the unpacked tensor is gone; the layer still knows its partition sizes
-            live = (module.output_size_per_partition, module.input_size_per_partition)
+            live = vllm_compat.partition_sizes(module)
         else:
             live = tuple(param.shape)
         if shape_2d(live) != shape:
@@ -115,4 +106,4 @@ class VLLMTargets:
         if staged_weight is not None:
             # the layer's post-load processing reads `layer.weight`; it drops this reference when it repacks
             module.weight = torch.nn.Parameter(staged_weight, requires_grad=False)
-        module.quant_method.process_weights_after_loading(module)
+        vllm_compat.reprocess_weights(module)

@@ -35,6 +35,7 @@ from rollplex_trl.rollout.layout import (
 )
 from rollplex_trl.rollout.sources import TrainerTensor
 from rollplex_trl.sharding.layouts import SlicePair, shape_2d
+from rollplex_trl.torch_compat import foreach_add_, foreach_copy_
 
 logger = logging.getLogger(__name__)
 
@@ -224,10 +225,10 @@ class WeightSync:
                     delta_srcs.append(p.src_view(deltas[p.src_name]).to(dsts[-1].dtype))
         with torch.no_grad():
             if dsts:
-                torch._foreach_copy_(dsts, srcs)
+                foreach_copy_(dsts, srcs)
                 stats.tensors_copied += len(dsts)
             if delta_dsts:
-                torch._foreach_add_(delta_dsts, delta_srcs)
+                foreach_add_(delta_dsts, delta_srcs)
             start = time.perf_counter()
             for t in targets:
                 if t.repacked and t.attr == "weight":

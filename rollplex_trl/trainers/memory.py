@@ -34,7 +34,7 @@ same run with memory off (tests/memory/test_phase_memory.py).
 Hooks in the trainer (four small ones; see `RollplexGRPOTrainer`): the component is built at the end of `__init__`
 (`PhaseMemory.build(trainer)`), `create_optimizer` takes `phase_memory.create_optimizer(trainer, model)` (a
 `StreamedOptimizer` around the optimizer transformers would build; `None` where "auto" keeps it resident), the reference
-pass runs inside `phase_memory.reference(model is self.ref_model)`, and `_prefix_jobs` returns
+pass runs inside `phase_memory.reference(model is self.ref_model)`, and `TrainerRollout.prefix_jobs` returns
 `phase_memory.prefix_jobs(jobs)` (the reference prefix job holds the reference weights while it runs).
 """
 
@@ -55,6 +55,7 @@ from rollplex_trl.memory.registry import MemoryObject
 from rollplex_trl.memory.saved_tensors import SavedTensorOffload
 from rollplex_trl.memory.storage import HostArena, TensorGroup, release_free_memory
 from rollplex_trl.memory.streamed_optimizer import StreamedOptimizer, register_streamed_optimizer
+from rollplex_trl.torch_compat import storage_key, tensor_storage_key
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def _storage_bytes(tensors) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
         s = t.untyped_storage()
-        seen.setdefault(s._cdata, s.nbytes())
+        seen.setdefault(storage_key(s), s.nbytes())
     return sum(seen.values())
 
 
@@ -198,7 +199,7 @@ def _adopt_resizable(params: list[torch.nn.Parameter]) -> None:
     cannot); parameters sharing a storage keep sharing the new one. Done once, before the first offload."""
     by_storage: dict[int, list[torch.nn.Parameter]] = {}
     for p in params:
-        by_storage.setdefault(p.untyped_storage()._cdata, []).append(p)
+        by_storage.setdefault(tensor_storage_key(p), []).append(p)
     with torch.no_grad():
         for group in by_storage.values():
             old = group[0].untyped_storage()

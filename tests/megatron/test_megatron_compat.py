@@ -116,3 +116,31 @@ def test_the_tensor_parallel_all_reduces_are_where_the_routing_looks():
     undo()
     assert {name: importlib.import_module(name).torch for name in compat.ALL_REDUCE_MODULES} == before
     assert mappings.torch.distributed is torch.distributed
+
+
+def test_the_core_attention_internals_the_prefix_subclass_relies_on_still_hold():
+    """backends/megatron/prefix.py's PrefixCoreAttention subclasses DotProductAttention (its base comes from
+    megatron_compat.core_attention_base) and reads the attributes listed there: each one must still be set by
+    megatron-core's own constructors, and forward must still take the parameters it passes on."""
+    import inspect
+    import re
+
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from rollplex_trl.backends.megatron.prefix import PrefixCoreAttention
+
+    assert compat.core_attention_base() is DotProductAttention
+    assert issubclass(PrefixCoreAttention, DotProductAttention)
+
+    def assigned(cls) -> set[str]:
+        return set(re.findall(r"self\.(\w+)\s*=", inspect.getsource(cls.__init__)))
+
+    missing = set(compat.CORE_ATTENTION_ATTRIBUTES) - assigned(DotProductAttention)
+    assert not missing, f"DotProductAttention.__init__ no longer sets {sorted(missing)}"
+    missing = set(compat.CORE_ATTENTION_SOFTMAX_ATTRIBUTES) - assigned(FusedScaleMaskSoftmax)
+    assert not missing, f"FusedScaleMaskSoftmax.__init__ no longer sets {sorted(missing)}"
+    upstream = list(inspect.signature(DotProductAttention.forward).parameters)[1:]
+    assert upstream == list(compat.CORE_ATTENTION_FORWARD), f"DotProductAttention.forward is now {upstream}"
+    ours = list(inspect.signature(PrefixCoreAttention.forward).parameters)[1:]
+    assert ours == upstream

@@ -34,8 +34,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from rollplex_trl import megatron_compat
 from rollplex_trl.backends.megatron.logprobs import vocab_parallel_logps
 from rollplex_trl.data.prompt import PreparedPrompt
 from rollplex_trl.prefix.batch import Precomputed, group_by_prompt, prefix_inputs, shared_prefix_logps
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class PrefixCoreAttention(DotProductAttention):
+class PrefixCoreAttention(megatron_compat.core_attention_base()):
     """megatron-core's ``DotProductAttention`` whose key/value pass through ``prefix_hook`` when one is set, and
     whose attention runs as one ``scaled_dot_product_attention`` call where it can.
 
