@@ -1,11 +1,21 @@
-"""What the benchmark scripts share: quiet output and the local checkpoint they measure on."""
+"""What the benchmark scripts share: quiet output, the local checkpoint they measure on, and the record of where a
+result was measured (`run_meta`: commit, CPU, date, command; `benchmarks/report.py` prints it in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import platform
+import shlex
+import subprocess
+import sys
 import warnings
+from datetime import UTC, datetime
 from pathlib import Path
+
+# environment variables that change what a benchmark measures: recorded in front of the command when set
+COMMAND_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
 
 
 def quiet_checkpoint(preset: str) -> Path:
@@ -55,3 +65,56 @@ def add_image_workload_args(parser: argparse.ArgumentParser, *, repeats: int) ->
     parser.add_argument("--image-size", type=int, default=448)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=repeats)
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def _commit() -> str | None:
+    """`git rev-parse --short HEAD`, with "-dirty" when tracked files differ from it; None outside a checkout."""
+    head = _git("rev-parse", "--short", "HEAD")
+    if not head or not head.strip():
+        return None
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return head.strip() + ("-dirty" if status and status.strip() else "")
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (Linux), else `platform.processor()`."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _command() -> str:
+    """The command line that ran this process, with the thread settings it ran under (`OMP_NUM_THREADS=2 python
+    benchmarks/bench_x.py --steps 3`)."""
+    env = [f"{name}={shlex.quote(os.environ[name])}" for name in COMMAND_ENV if name in os.environ]
+    python = Path(sys.executable).name if sys.executable else "python"
+    return " ".join([*env, python or "python", *(shlex.quote(arg) for arg in sys.argv)])
+
+
+def run_meta() -> dict:
+    """Where and how a result was measured, merged into every benchmark JSON's `meta`: the commit (None outside a
+    git checkout; "-dirty" with uncommitted changes to tracked files), the CPU model, the number of CPUs, the UTC
+    date and time the result was written, the command line and torch's version."""
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = None
+    return {"commit": _commit(), "cpu": _cpu_model(), "cpus": os.cpu_count(),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"), "command": _command(),
+            "torch": torch_version}

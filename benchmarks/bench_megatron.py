@@ -233,8 +233,10 @@ def main() -> None:
             row["vs_hf_per_repeat"] = paired
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"preset": args.preset, "steps": args.steps, "repeats": args.repeats, "G": args.G, "C": args.C,
-            "frames": args.frames, "size": args.size,
+    from bench_common import run_meta  # the script's folder is on sys.path (run as a script)
+
+    meta = {**run_meta(), "preset": args.preset, "steps": args.steps, "repeats": args.repeats, "G": args.G,
+            "C": args.C, "frames": args.frames, "size": args.size,
             "cpus": os.cpu_count(), "precision": "bf16 autocast" if args.bf16 else "fp32"}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"{'run':<26} {'step s':>8} {'metric s':>9} {'decode s':>9} {'sync s':>7} {'x hf off':>9} {'x hf':>6} "

@@ -283,9 +283,11 @@ def main() -> None:
             print(f"repeat {i} {mode:>3}: step {_median(r['step_s']):.3f}s  peak {r['step_peak_bytes'] / MIB:.0f} MiB"
                   f"  ({', '.join(f'{p} {v / MIB:.0f}' for p, v in r['phase_peak_bytes'].items())})", flush=True)
     summary = summarize(runs)
-    meta = {"preset": args.preset, "steps": args.steps, "repeats": args.repeats, "generations": args.generations,
-            "prompts_per_step": args.prompts, "completion": args.completion, "frames": args.frames,
-            "size": args.size, "device": "cuda" if torch.cuda.is_available() else "cpu",
+    from bench_common import run_meta  # the script's folder is on sys.path (run as a script)
+
+    meta = {**run_meta(), "preset": args.preset, "steps": args.steps, "repeats": args.repeats,
+            "generations": args.generations, "prompts_per_step": args.prompts, "completion": args.completion,
+            "frames": args.frames, "size": args.size, "device": "cuda" if torch.cuda.is_available() else "cpu",
             "threads": int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())), "torch": torch.__version__,
             "peak": "allocated (CUDA)" if torch.cuda.is_available() else "process RSS (VmHWM per phase)",
             "machine_used": "MemTotal - MemAvailable, sampled every 10 ms (the whole machine: /dev/shm included, "

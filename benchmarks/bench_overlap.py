@@ -31,7 +31,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from bench_common import wall_step_clock
+from bench_common import run_meta, wall_step_clock
 
 
 def _run(mode: str, model_path, dataset, tmp: Path, args) -> dict:
@@ -144,7 +144,7 @@ def main() -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"engine": args.engine, "prompt_tokens": args.prompt_tokens if args.engine == "vllm" else None,
+    meta = {**run_meta(), "engine": args.engine, "prompt_tokens": args.prompt_tokens if args.engine == "vllm" else None,
             "preset": args.preset, "G": args.generations, "C": args.completion_length, "frames": args.frames,
             "size": args.size, "steps": args.steps, "prefix_threads": args.prefix_threads,
             "threads": torch.get_num_threads(), "device": "cuda" if torch.cuda.is_available() else "cpu"}

@@ -38,7 +38,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from bench_common import wall_step_clock
+from bench_common import run_meta, wall_step_clock
 
 
 def _prompts(processor, num_prompts: int, frames: int, size: int):
@@ -271,7 +271,7 @@ def _fmt(x: float | None) -> str:
 def _write(path: str, args, rows: list[dict]) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"preset": args.preset, "frames": args.frames, "size": args.size, "prompts": args.prompts,
+    meta = {**run_meta(), "preset": args.preset, "frames": args.frames, "size": args.size, "prompts": args.prompts,
             "repeats": args.repeats, "steps": args.steps, "device": "cuda" if torch.cuda.is_available() else "cpu",
             "threads": torch.get_num_threads(), "torch": torch.__version__}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

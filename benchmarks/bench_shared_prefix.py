@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import quiet_checkpoint, wall_step_clock
+from bench_common import quiet_checkpoint, run_meta, wall_step_clock
 
 
 def _saved_bytes(fn) -> int:
@@ -54,9 +54,10 @@ def _saved_bytes(fn) -> int:
 def _write(path: str, args, rows: list[dict]) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"preset": args.preset, "frames": args.frames, "size": args.size, "prompts_per_step": args.prompts,
-            "steps": args.steps, "repeats": args.repeats, "device": "cuda" if torch.cuda.is_available() else "cpu",
-            "threads": torch.get_num_threads(), "torch": torch.__version__}
+    meta = {**run_meta(), "preset": args.preset, "frames": args.frames, "size": args.size,
+            "prompts_per_step": args.prompts, "steps": args.steps, "repeats": args.repeats,
+            "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     return out
 
@@ -166,7 +167,7 @@ def _auto_decision(trainer, args) -> dict:
     trainer.generation_config.max_new_tokens, trainer.generation_config.min_new_tokens = 2, None
     trainer.model.train()
     trainer._generate_and_score_completions([trainer.train_dataset[i // G] for i in range(G * args.prompts)])
-    choice = trainer.sharing.choice
+    choice = trainer.sharing.decision.choice
     return {"share": choice.share, "modelled_speedup": choice.modelled_speedup}
 
 

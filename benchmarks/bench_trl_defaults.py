@@ -6,10 +6,11 @@ checkpointing, beta 0, loss "dapo"). Neither mechanism has a switch (both are al
 trainer for the run:
 
 - `kept prefill`: the rollout's prefill, kept with its graph, is the actor's prefix (one policy prompt forward per
-  step); off: `_actor_from_prefill` returns False, so the decode window's actor job runs that forward a second time.
+  step); off: `TrainerRollout.actor_from_prefill` returns False, so the decode window's actor job runs that
+  forward a second time.
 - `frozen casts` (`--peft`: both runs train a LoRA adapter, r 8 on q/k/v/o, the base weights frozen): autocast's
   casts of the frozen base weights kept across the decode steps of a `generate` call (rollout/weight_casts.py);
-  off: `_decode_weight_casts` is a no-op and every decode step casts them again, as TRL's `generate` does.
+  off: `TrainerRollout.decode_weight_casts` is a no-op and every decode step casts them again, as TRL's `generate` does.
 
 Runs alternate (on, off, on, off, ...: a load spike on the shared machine hits one run of each); each run's step is
 the median wall-clock step (`bench_common.wall_step_clock`) after the first, its decode the median of the
@@ -28,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_common import add_image_workload_args, quiet_checkpoint, wall_step_clock
+from bench_common import add_image_workload_args, quiet_checkpoint, run_meta, wall_step_clock
 from bench_vs_trl import _image_dataset
 
 # (mechanism, whether the runs train a LoRA adapter)
@@ -51,9 +52,9 @@ def _run(mechanism: str, on: bool, model_path: Path, dataset, tmp: Path, args, i
     trainer = RollplexGRPOTrainer(model=str(model_path), reward_funcs=[answer_reward], args=config,
                                   train_dataset=dataset, peft_config=lora if MECHANISMS[mechanism] else None)
     if not on and mechanism == "kept prefill":
-        trainer._actor_from_prefill = lambda: False
+        trainer.rollout.actor_from_prefill = lambda: False
     if not on and mechanism == "frozen casts":
-        trainer._decode_weight_casts = contextlib.nullcontext
+        trainer.rollout.decode_weight_casts = contextlib.nullcontext
     clock = wall_step_clock()
     trainer.add_callback(clock)
     trainer.train()
@@ -91,10 +92,10 @@ def main() -> None:
         row["decode_ratio"] = row["off_decode_s"] / row["on_decode_s"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"preset": args.preset, "G": args.generations, "C": args.completion_length, "image_size": args.image_size,
-            "steps": args.steps, "repeats": args.repeats, "precision": "bf16 autocast + checkpointing",
-            "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+    meta = {**run_meta(), "preset": args.preset, "G": args.generations, "C": args.completion_length,
+            "image_size": args.image_size, "steps": args.steps, "repeats": args.repeats,
+            "precision": "bf16 autocast + checkpointing", "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
     out.write_text(json.dumps({"meta": meta, "runs": runs, "table": table}, indent=2))
     print("\n| mechanism | step on (s) | step off (s) | step off / on | decode on (s) | decode off (s) | "
           "decode off / on |")

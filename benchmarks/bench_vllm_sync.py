@@ -175,6 +175,9 @@ def main() -> None:
     for r in report["rollout"]:
         print(f"{r['path']:<52} {r['median_s']:>9.3f} {r['tokens']:>8} {r['tokens_per_s']:>10.1f}")
     if args.out:
+        from bench_common import run_meta  # the script's folder is on sys.path (run as a script)
+
+        report["meta"] = run_meta()
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))
 

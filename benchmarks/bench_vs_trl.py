@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_common import add_image_workload_args, quiet_checkpoint, wall_step_clock
+from bench_common import add_image_workload_args, quiet_checkpoint, run_meta, wall_step_clock
 
 
 def _image_dataset(num_prompts: int, size: int, seed: int = 0):
@@ -108,7 +108,7 @@ def main() -> None:
     ours_s = statistics.median(r["step_s"] for r in runs["rollplex"])
     tokens = runs["trl"][0]["num_tokens"] / args.steps / args.generations  # P + C per sequence
     share = 1 - args.completion_length / tokens
-    result = {"meta": {"preset": args.preset, "G": args.generations, "C": args.completion_length,
+    result = {"meta": {**run_meta(), "preset": args.preset, "G": args.generations, "C": args.completion_length,
                        "image_size": args.image_size, "prompt_share": share, "steps": args.steps,
                        "repeats": args.repeats, "precision": "fp32" if args.fp32 else "bf16 autocast + checkpointing",
                        "peft": "LoRA r 8 on q/k/v/o" if args.peft else None,
