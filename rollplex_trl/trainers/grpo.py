@@ -48,8 +48,8 @@ from rollplex_trl.trainers.checkpoint import (
     resolve_resume_argument,
 )
 from rollplex_trl.trainers.context import BatchContext
-from rollplex_trl.trainers.media import DatasetPreparation, media_options
-from rollplex_trl.trainers.memory import PhaseMemory, vllm_sleep_for_memory
+from rollplex_trl.trainers.media import DatasetPreparation, media_options, suppress_video_token
+from rollplex_trl.trainers.memory import PhaseMemory, setup_memory_ledger, vllm_sleep_for_memory
 from rollplex_trl.trainers.rewards import reject_non_finite_rewards
 from rollplex_trl.trainers.rollout import TrainerRollout
 from rollplex_trl.trainers.sharing import PrefixSharing
@@ -114,8 +114,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
             is_vlm=trl_compat.is_vlm(self), prepare_images=self.support.prepare_images, framed=self.use_vllm,
             custom_rollout=bool(self.tools) or self.environment_factories is not None or self.rollout_func is not None)
         if self._wrap_datasets():
-            self._suppress_video_token()
-        self.memory_ledger = self._setup_memory_ledger() if self.rollplex["rollplex_memory_ledger"] else None
+            suppress_video_token(self)
+        self.memory_ledger = setup_memory_ledger(self) if self.rollplex["rollplex_memory_ledger"] else None
         self.phase_memory = PhaseMemory.build(self)  # rollplex_memory (trainers/memory.py); None when off
         self.reward_funcs = [reject_non_finite_rewards(f, name)
                              for f, name in zip(self.reward_funcs, self.reward_func_names, strict=True)]
@@ -187,35 +187,6 @@ class RollplexGRPOTrainer(GRPOTrainer):
             self.eval_dataset = self.media.wrap(self.eval_dataset, "eval")
             evals = [self.eval_dataset]
         return self.media.has_video(self.train_dataset, *evals)
-
-    def _setup_memory_ledger(self):
-        """Phases from TRL's callbacks plus a `rollout` phase around generation; the actor prefix (boundary state,
-        from the window's first micro-batch to its backward) is registered so its bytes show in `rollplex/mem_*`."""
-        from rollplex_trl.callbacks import MemoryPhaseCallback
-        from rollplex_trl.memory import MemoryLedger, MemoryRegistry, ResidencyManager, wrap_in_phase
-
-        registry = MemoryRegistry()
-        ledger = MemoryLedger(registry, device=self.accelerator.device)
-        manager = ResidencyManager(registry, ledger)
-        window = self.actor_window
-        registry.register_tensors("actor_prefix", lambda: window.boundary_tensors() if window is not None else [],
-                                  "boundary", "train", "train")
-        self.add_callback(MemoryPhaseCallback(manager, trainer=self))
-        wrap_in_phase(self, trl_compat.GENERATE_METHOD, manager, "rollout")
-        return ledger
-
-    def _suppress_video_token(self) -> None:
-        # TRL suppresses the image placeholder in sampling ("a sampled image token would mismatch the image
-        # features"); a sampled video placeholder would do the same to the video features. Only for video
-        # datasets: changing the sampling distribution otherwise would make image/text runs differ from TRL's.
-        video_token_id = getattr(self.model.config, "video_token_id", None)
-        gen_config = getattr(self, "generation_config", None)
-        if not trl_compat.is_vlm(self) or video_token_id is None or gen_config is None:
-            return
-        suppressed = list(gen_config.suppress_tokens or [])
-        if video_token_id not in suppressed:
-            gen_config.suppress_tokens = suppressed + [video_token_id]
-            self.generation_kwargs["suppress_tokens"] = gen_config.suppress_tokens
 
     def _record(self, key: str, value: float) -> None:
         trl_compat.metrics(self, self.model.training)[key].append(value)
@@ -399,20 +370,12 @@ class RollplexGRPOTrainer(GRPOTrainer):
             self._write_timeline()
 
     def end(self) -> None:
-        """Finish the trackers and close the process group, as `Trainer.end` does, safely for a multi-process exit.
-
-        Two additions, both about what happens after this call when the process exits:
-        - every rank waits for the others first: only the main process writes in `save_model`/`push_to_hub`, so
-          without it the other ranks tore their group down while rank 0 was still writing;
-        - the references that keep the process group alive after `destroy_process_group` are dropped: the DDP
-          wrapper's reducer (through accelerate's prepared objects and `model_wrapped`) and megatron-core's
-          `parallel_state` hold the group, and with it gloo's native threads, until the interpreter's final
-          teardown, where a process once aborted ("terminate called without an active exception", SIGABRT, rc 134
-          after a complete run). Dropped here, the group's threads are joined while the interpreter is alive
-          (tests/test_ecosystem_cli.py checks that none is left).
-
-        The trainer's unwrapped `model` stays usable (saving, inference); distributed work is over after this call.
-        """
+        """Finish the trackers and close the process group, as `Trainer.end` does, safely for a multi-process exit:
+        every rank first waits for the others (only the main process writes in `save_model`/`push_to_hub`), and the
+        references that keep the group alive after `destroy_process_group` (DDP's reducer through accelerate's
+        prepared objects and `model_wrapped`; megatron-core's `parallel_state` through the backend) are dropped, so
+        gloo's threads are joined while the interpreter is alive (one process aborted at exit with SIGABRT before;
+        tests/test_ecosystem_cli.py checks none is left). The unwrapped `model` stays usable (saving, inference)."""
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if distributed:
             self.accelerator.wait_for_everyone()

@@ -98,3 +98,19 @@ class DatasetPreparation:
         # media our loader decoded, so nothing is decoded twice (data/framed.py)
         cls = FramedPromptDataset if self.framed else PreparedPromptDataset
         return cls(dataset, self.processor, self.options)
+
+
+def suppress_video_token(trainer: Any) -> None:
+    """TRL suppresses the image placeholder in sampling ("a sampled image token would mismatch the image
+    features"); a sampled video placeholder would do the same to the video features. Only for video datasets:
+    changing the sampling distribution otherwise would make image/text runs differ from TRL's."""
+    from rollplex_trl import trl_compat
+
+    video_token_id = getattr(trainer.model.config, "video_token_id", None)
+    gen_config = getattr(trainer, "generation_config", None)
+    if not trl_compat.is_vlm(trainer) or video_token_id is None or gen_config is None:
+        return
+    suppressed = list(gen_config.suppress_tokens or [])
+    if video_token_id not in suppressed:
+        gen_config.suppress_tokens = suppressed + [video_token_id]
+        trainer.generation_kwargs["suppress_tokens"] = gen_config.suppress_tokens

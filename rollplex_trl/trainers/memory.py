@@ -586,3 +586,22 @@ class _PhaseHoldingJobs:
         contexts = {"ref": self._memory._holding_reference, "actor": self._memory.actor_activations}
         return [(name, held(run, contexts[name]) if name in contexts else run)
                 for name, run in self._jobs.for_window(*args, **kwargs)]
+
+
+def setup_memory_ledger(trainer: Any):
+    """The trainer's memory ledger (`rollplex_memory_ledger`): phases from TRL's callbacks plus a `rollout` phase
+    around generation; the actor prefix (boundary state, from the window's first micro-batch to its backward) is
+    registered so its bytes show in `rollplex/mem_*`."""
+    from rollplex_trl import trl_compat
+    from rollplex_trl.callbacks import MemoryPhaseCallback
+    from rollplex_trl.memory import MemoryLedger, MemoryRegistry, ResidencyManager, wrap_in_phase
+
+    registry = MemoryRegistry()
+    ledger = MemoryLedger(registry, device=trainer.accelerator.device)
+    manager = ResidencyManager(registry, ledger)
+    window = trainer.actor_window
+    registry.register_tensors("actor_prefix", lambda: window.boundary_tensors() if window is not None else [],
+                              "boundary", "train", "train")
+    trainer.add_callback(MemoryPhaseCallback(manager, trainer=trainer))
+    wrap_in_phase(trainer, trl_compat.GENERATE_METHOD, manager, "rollout")
+    return ledger
