@@ -4,6 +4,7 @@ real engine's classes (the .venv-vllm tier, `bash scripts/test_vllm.sh`)."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -14,6 +15,9 @@ import torch
 from rollplex_trl import vllm_compat
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
+                    reason="where vLLM is installed, TRL imports it itself (GRPOTrainer's module); the lazy import is "
+                    "checked where vLLM is absent: the main suite")
 def test_importable_without_vllm_and_imports_it_lazily():
     """Importing the compat module (and the engine module that uses it) does not import vLLM."""
     code = ("import sys, rollplex_trl.vllm_compat, rollplex_trl.rollout.vllm_engine, rollplex_trl.rollout.vllm_targets;"

@@ -82,17 +82,26 @@ def _train(path, tmp_path, overlap, checks):
 def _check_scores_against_full_forward(trainer):
     """After each generation batch, recompute its reference and old log-probs with full forwards (no prefix, no
     overlap) at the same weights; the batch's values came from the overlap worker's prefixes."""
+    from rollplex_trl.prefix.batch import StepPrefixes
+
     original = trainer._generate_and_score_completions
     trainer.compared = []
 
     def checked(inputs):
         taken = []
-        take = trainer.overlap.take
-        trainer.overlap.take = lambda kind: taken.append(kind) or take(kind)
+        take = StepPrefixes.take_scoring
+
+        def recording(self, *, reference):
+            state = take(self, reference=reference)
+            if state is not None:  # a state the decode window's worker built
+                taken.append("ref" if reference else "old")
+            return state
+
+        StepPrefixes.take_scoring = recording
         try:
             out = original(inputs)
         finally:
-            del trainer.overlap.take
+            StepPrefixes.take_scoring = take
         ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
         mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
         C = out["completion_ids"].size(1)
