@@ -4,17 +4,19 @@ One training step, top to bottom (each TRL override below is a few lines that ha
 
     _generate_and_score_completions   prepared rows of the generation batch -> `batch.generating(rows)`
       _tokenize_prompts               token ids and vision tensors from the prepared prompts
-      _generate_single_turn           rollout: vLLM (`vllm_rollout`) or transformers' generate with the shared
-                                      prefill; the prefix jobs run in its decode window (`overlap`)
+      _generate_single_turn           `backend.generate` -> `rollout.run`: vLLM or transformers' generate with the
+                                      shared prefill; the prefix jobs run in its decode window (`overlap`) and fill
+                                      the step's `batch.prefixes`
       (TRL: rewards, advantages)
-      _get_per_token_logps_and_entropies   old/ref log-probs: suffixes against the window's prefix states
-    training_step / compute_loss      the actor: suffixes against the accumulation window's prefix (`actor_window`),
-                                      one prefix backward at the window's end; TRL's loss unchanged
+      _get_per_token_logps_and_entropies   old/ref log-probs: `backend.logps_and_entropies`, suffixes only
+    training_step / compute_loss      the actor: `backend.actor_suffix_logps` against the accumulation window's
+                                      prefix (`actor_window`), one prefix backward at its end; TRL's loss unchanged
     (optimizer step)                  after `overlap.assert_idle()`: no θ_k reader is left
 
-The components: `support` (what is on, decided once), `media` (which datasets take the prepared-prompt path),
-`batch` (the batch in flight), `overlap` (overlap/schedule.py), `actor_window` (prefix/actor.py), `vllm_rollout`
-(rollout/trl_vllm.py), `memory_ledger`. Every touch of TRL's private names goes through trl_compat.py.
+The components (docs/architecture.md): `support` (what the configuration allows, decided once), `backend` (the
+engine that trains the policy: backends/), `sharing` (whether the shared prefix runs), `rollout`, `batch` (the
+batch in flight and its `StepPrefixes`), `overlap`, `actor_window`, `vllm_rollout`, `media`, `phase_memory`,
+`memory_ledger`, `checkpoint_staging`. Third-party internals are touched only in the compat modules.
 Batches without prepared prompts (text, or images without the shared prefix) run TRL's code unchanged.
 """
 
