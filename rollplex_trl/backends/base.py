@@ -46,8 +46,8 @@ class TrainingBackend(Protocol):
     def window_weights(self) -> list[torch.Tensor]:
         """Weights the window's jobs read besides the transformers policy and reference (checked unchanged)."""
 
-    def build_actor_prefix(self) -> Callable[..., PrefixState] | None:
-        """How the actor window builds its prefix (`ActorWindow(build_prefix=)`); None: the transformers pass."""
+    def build_actor_prefix(self) -> Callable[..., PrefixState]:
+        """How the actor window builds its prefix (`ActorWindow(build_prefix=)`, `run_prefix`'s signature)."""
 
     def suffix_attention(self, mode: str, causal_lm: nn.Module, device: torch.device) -> tuple[str, str | None]:
         """("cascade" | "concat", why not cascade) for the shared-prefix suffix passes."""

@@ -19,7 +19,7 @@ from torch.utils.data import Sampler
 
 from rollplex_trl.data.prompt import PreparedPrompt
 from rollplex_trl.prefix import suffix_logps
-from rollplex_trl.prefix.batch import prepared_rows_logps, shared_prefix_logps
+from rollplex_trl.prefix.batch import prepared_rows_logps, run_prefix, shared_prefix_logps
 from rollplex_trl.prefix.generation import BackendPrefill
 from rollplex_trl.prefix.state import PrefixState
 from rollplex_trl.prefix.suffix_attention import suffix_attention_mode
@@ -44,8 +44,8 @@ class HfBackend:
     def window_weights(self) -> list[torch.Tensor]:
         return []
 
-    def build_actor_prefix(self) -> None:
-        return None
+    def build_actor_prefix(self) -> Callable[..., PrefixState]:
+        return run_prefix  # the transformers prefix pass
 
     def suffix_attention(self, mode: str, causal_lm: nn.Module, device: torch.device) -> tuple[str, str | None]:
         resolved = suffix_attention_mode(mode, causal_lm, device)

@@ -103,7 +103,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
             self.accelerator.autocast, trl_compat.pad_token_id(self),
             average_across_processes=self.support.average_actor_gradients,
             on_built=lambda: self.memory_ledger.sample() if self.memory_ledger is not None else None,
-            **({"build_prefix": self.backend.build_actor_prefix()} if self.backend.build_actor_prefix() else {}),
+            build_prefix=self.backend.build_actor_prefix(),
         ) if self.support.share_actor else None
         self.overlap = self._build_overlap() if self.support.overlap_window else None
         self.rollout = TrainerRollout(self)  # trainers/rollout.py

@@ -12,7 +12,7 @@ log_softmax(logits / T) gathered at the completion tokens, padded positions zero
    + entropy loss, backward; the backend's global grad norm (`clip_grad_norm(None)`; transformers' norm over the
    trained model where the backend returns None) and every parameter's gradient in HF names against the reference
    model's gradients.
-3. the actor's pass inside a window: the prefix from `build_actor_prefix()` (`run_prefix` where None) with its graph,
+3. the actor's pass inside a window: the prefix from `build_actor_prefix()` with its graph,
    detached to leaves (`detach_prefix`, as prefix/actor.py does), `actor_suffix_logps`, backward, `backward_prefix`:
    log-probs, entropies, grad norm and gradients as in 2.
 
@@ -349,9 +349,8 @@ def contract_checks(built: Built, case: Case, ref: Reference, record) -> None:
 
     # 3. the actor's pass inside a window: the window's prefix, suffix against its leaf copy, one prefix backward
     from rollplex_trl.prefix import backward_prefix, detach_prefix
-    from rollplex_trl.prefix.batch import run_prefix
 
-    build = backend.build_actor_prefix() or run_prefix
+    build = backend.build_actor_prefix()
     b = case.batch
     with torch.enable_grad():
         state = build(trained, b.prompt_ids, b.prompt_mask, case.prompts, keep_graph=True)
