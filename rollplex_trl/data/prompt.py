@@ -27,6 +27,12 @@ TEXT_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN = 0, 1, 2
 
 _prompt_counter = itertools.count()
 
+
+def new_prompt_key() -> int:
+    """A prompt identity no other `PreparedPrompt` of this process has (a derived copy's, e.g. T-GRPO's shuffled
+    clip: the same tokens, other pixels)."""
+    return next(_prompt_counter)
+
 # Per-prompt tensors in the model's keyword names, concatenated over rows in row order for a forward pass.
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
@@ -47,7 +53,7 @@ class PreparedPrompt:
     video_grid_thw: torch.Tensor | None = None  # (num_videos, 3)
     second_per_grid_ts: torch.Tensor | None = None  # (num_videos,) seconds per temporal grid step (M-RoPE time)
     sources: tuple[str, ...] = ()  # the files or "<frames>" the vision inputs came from, for error messages
-    prompt_key: int = field(default_factory=lambda: next(_prompt_counter))
+    prompt_key: int = field(default_factory=new_prompt_key)
 
     @property
     def num_prompt_tokens(self) -> int:
