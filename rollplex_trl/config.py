@@ -26,7 +26,7 @@ _TRUE_WORDS, _FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "
 class _Rule:
     """How one rollplex_* value is read and checked: its kind, and the allowed range in words and as a test."""
 
-    kind: str  # "mode" (auto/on/off), "choice", "bool", "int", "float", "optional_int"
+    kind: str  # "mode" (auto/on/off), "choice", "bool", "int", "float", "optional_int", "text"
     allowed: str
     ok: Callable[[Any], bool] = lambda value: True
     choices: tuple[str, ...] = ()
@@ -324,6 +324,76 @@ class RollplexGRPOConfig(GRPOConfig):
             "copies of a prompt and repeated generation batches decode each video once."
         },
     )
+    # ---- Video-R1's recipe (arXiv 2503.21776): T-GRPO and length control. They change what is learned: off by default.
+    rollplex_temporal: bool = _option(
+        rule=_Rule("bool", "true or false"),
+        default=False,
+        metadata={
+            "help": "T-GRPO (Video-R1's --temporal true): for each video prompt also sample "
+            "rollplex_temporal_generations completions on a copy with its frames shuffled (scored, never trained on); "
+            "where the ordered completions' mean accuracy p >= rollplex_temporal_mu * the shuffled ones' p~, add "
+            "rollplex_temporal_alpha to each correct (accuracy > 0.1) ordered completion's accuracy reward. Per "
+            "prompt group; image and text prompts are unaffected. See docs/temporal.md."
+        },
+    )
+    rollplex_temporal_generations: int | None = _option(
+        rule=_Rule("optional_int", "an integer >= 1 or None", lambda v: v is None or v >= 1),
+        default=None,
+        metadata={"help": "Completions sampled on each shuffled clip. None: num_generations // 2 (Video-R1's)."},
+    )
+    rollplex_temporal_alpha: float = _option(
+        rule=_Rule("float", "a number >= 0", lambda v: v >= 0),
+        default=0.3,
+        metadata={"help": "T-GRPO's bonus α added to the accuracy reward of correct ordered completions "
+                          "(Video-R1: 0.3)."},
+    )
+    rollplex_temporal_mu: float = _option(
+        rule=_Rule("float", "a number >= 0", lambda v: v >= 0),
+        default=0.8,
+        metadata={"help": "T-GRPO's margin μ: the bonus applies where p >= μ * p~ (Video-R1: 0.8)."},
+    )
+    rollplex_temporal_shuffle: Literal["frame", "patch"] = _option(
+        rule=_Rule("choice", "'frame' or 'patch'", choices=("frame", "patch")),
+        default="frame",
+        metadata={
+            "help": "What T-GRPO shuffles. 'frame': the sampled frames (Video-R1's behaviour). 'patch': whole temporal "
+            "patches (2 frames on Qwen2.5-VL), whose vision features are then an exact permutation of the ordered "
+            "clip's, so the vision tower does not run on the shuffled copy.",
+            "choices": ["frame", "patch"],
+        },
+    )
+    rollplex_temporal_reward: str = _option(
+        rule=_Rule("text", "a reward function's name, or '' for the first one"),
+        default="",
+        metadata={
+            "help": "The accuracy reward T-GRPO and length control read and T-GRPO's bonus is added to: a reward "
+            "function's name (its __name__, as TRL logs it), or '' for the first reward function (Video-R1's)."
+        },
+    )
+    rollplex_len_control: bool = _option(
+        rule=_Rule("bool", "true or false"),
+        default=False,
+        metadata={
+            "help": "Video-R1's length control (--len_control true): where more than one completion of a group is "
+            "correct (accuracy > 0.1), add rollplex_len_control_bonus to each correct one whose length in tokens lies "
+            "in [rollplex_len_control_min, rollplex_len_control_max]."
+        },
+    )
+    rollplex_len_control_min: int = _option(
+        rule=_Rule("int", "an integer >= 0", lambda v: v >= 0),
+        default=320,
+        metadata={"help": "Length control's lower bound in completion tokens, inclusive (Video-R1: 320)."},
+    )
+    rollplex_len_control_max: int = _option(
+        rule=_Rule("int", "an integer >= 0", lambda v: v >= 0),
+        default=512,
+        metadata={"help": "Length control's upper bound in completion tokens, inclusive (Video-R1: 512)."},
+    )
+    rollplex_len_control_bonus: float = _option(
+        rule=_Rule("float", "a number", lambda v: True),
+        default=0.2,
+        metadata={"help": "Length control's bonus added to the reward (Video-R1: 0.2)."},
+    )
 
     def __post_init__(self) -> None:
         _validate(self)  # first: a bad rollplex_* value is reported as such, whatever else is wrong
@@ -364,6 +434,10 @@ def _read(name: str, value: Any, rule: _Rule) -> Any:
     if rule.kind == "choice":
         if text in rule.choices:
             return text
+        raise bad()
+    if rule.kind == "text":
+        if isinstance(value, str):
+            return value.strip()
         raise bad()
     if rule.kind == "bool":
         if isinstance(value, bool):
@@ -428,6 +502,9 @@ def _validate(cfg: RollplexGRPOConfig) -> None:
         raise ValueError("rollplex_memory='on' cannot move the reference model: sync_ref_model=True writes the policy "
                          "into it every ref_model_sync_steps steps. Set sync_ref_model=False, or "
                          "rollplex_memory='auto' to keep it resident")
+    if cfg.rollplex_len_control_min > cfg.rollplex_len_control_max:
+        raise ValueError("need rollplex_len_control_min <= rollplex_len_control_max, got "
+                         f"{cfg.rollplex_len_control_min} and {cfg.rollplex_len_control_max}")
     if cfg.rollplex_video_min_pixels > cfg.rollplex_video_max_pixels:
         raise ValueError(
             "need rollplex_video_min_pixels <= rollplex_video_max_pixels, got "

@@ -95,6 +95,8 @@ TRL_OVERRIDES: dict[str, tuple[tuple[str, ...], str]] = {
                               "the shared prefill and the decode window (transformers), the vLLM engine"),
     "_get_per_token_logps_and_entropies": (("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
                                             "compute_entropy"), "shared-prefix log-probs; video inputs per chunk"),
+    "_calculate_rewards": (("inputs", "prompts", "completions", "completion_ids_list"),
+                           "T-GRPO and length control fill their reward columns from the gathered rewards"),
     "_get_train_sampler": (("dataset",), "a sampler that replays later epochs' order on resume"),
     "_load_from_checkpoint": (("resume_from_checkpoint", "model"), "legacy weight names of Qwen2.5-VL"),
     "_load_best_model": ((), "legacy weight names of Qwen2.5-VL"),
@@ -423,3 +425,36 @@ def attention_implementation_set(model: torch.nn.Module, name: str) -> Iterator[
         yield
     finally:
         text_config._attn_implementation = base
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Reward sources the trainer adds after TRL's setup (T-GRPO's bonus columns)
+# ------------------------------------------------------------------------------------------------------------------
+
+def add_reward_source(trainer: Any, func: Callable, name: str, weight: float = 1.0) -> None:
+    """Append a reward source after GRPOTrainer.__init__, the way TRL appends an environment's `get_reward` (its
+    four parallel lists: functions, names, processing classes, weights), so TRL computes, gathers, sums and logs it
+    like the user's."""
+    trainer.reward_funcs.append(func)
+    trainer.reward_func_names.append(name)
+    trainer.reward_processing_classes.append(None)
+    trainer.reward_weights = torch.cat([trainer.reward_weights, torch.tensor([weight], dtype=torch.float32)])
+
+
+def decode_completions(trainer: Any, prompts: list, prompt_ids: list[list[int]], completion_ids: list[list[int]]
+                       ) -> list:
+    """Completions as TRL's `_generate` hands them to reward functions (its "Decode completions" block, without
+    tools): conversational prompts get `[{"role": "assistant", "content": ...}]` (through `parse_response` where the
+    tokenizer has a response template or schema), plain prompts the decoded text."""
+    from trl.chat_template_utils import parse_response
+    from trl.data_utils import is_conversational
+
+    if prompts and is_conversational({"prompt": prompts[0]}):
+        tokenizer = trainer._tokenizer
+        if (getattr(tokenizer, "response_template", None) is not None
+                or getattr(tokenizer, "response_schema", None) is not None):
+            return [[parse_response(tokenizer, ids, prefix=prompt_ids[i], tools=trainer.tools)]
+                    for i, ids in enumerate(completion_ids)]
+        contents = trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        return [[{"role": "assistant", "content": content}] for content in contents]
+    return trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,15 +29,20 @@ class BatchContext:
     # the prefix states the latest rollout built (decode window, kept prefill); replaced by each rollout, read by
     # the scoring passes and, after the generation batch, by the actor window's first micro-batch
     prefixes: StepPrefixes = field(default_factory=StepPrefixes)
+    # T-GRPO: the shuffled completions of this generation batch (trainers/temporal.py), from the rollout to the rewards
+    shuffled: Any = None
+
 
     @contextlib.contextmanager
     def generating(self, rows: list[PreparedPrompt]) -> Iterator[None]:
         previous = self.generation_rows, self.scored_rows
         self.generation_rows = self.scored_rows = rows
+        self.shuffled = None
         try:
             yield
         finally:
             self.generation_rows, self.scored_rows = previous
+            self.shuffled = None
 
     @contextlib.contextmanager
     def scoring(self, rows: list[PreparedPrompt] | None,

@@ -56,6 +56,7 @@ from rollplex_trl.trainers.rewards import reject_non_finite_rewards
 from rollplex_trl.trainers.rollout import TrainerRollout
 from rollplex_trl.trainers.sharing import PrefixSharing
 from rollplex_trl.trainers.support import Support, decide_support, log_notices, refuse_before_setup
+from rollplex_trl.trainers.temporal import TemporalRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         self.phase_memory = PhaseMemory.build(self)  # rollplex_memory (trainers/memory.py); None when off
         self.reward_funcs = [reject_non_finite_rewards(f, name)
                              for f, name in zip(self.reward_funcs, self.reward_func_names, strict=True)]
+        self.temporal = TemporalRecipe.build(self)  # T-GRPO / length control (trainers/temporal.py); None when off
         if self.rollplex["rollplex_timeline"] and not any(isinstance(c, TimelineImageCallback)
                                                           for c in self.callback_handler.callbacks):
             self.add_callback(TimelineImageCallback(self))  # the timeline as an image in image-taking trackers
@@ -214,6 +216,14 @@ class RollplexGRPOTrainer(GRPOTrainer):
         self._record("rollplex/skipped_samples", float(sum(d.num_skipped for d in sources)))
         self._record("rollplex/skipped_fraction", max([float(d.skipped_fraction) for d in sources], default=0.0))
         return output
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self.temporal is not None and self.model.training:  # the recipe's bonus columns, from the gathered rewards
+            for key, value in self.temporal.rewards(self, inputs, prompts, completion_ids_list,
+                                                    rewards_per_func).items():
+                self._record(key, value)
+        return rewards_per_func
 
     def _tokenize_prompts(self, prompts: list):
         rows = self.batch.generation_rows
