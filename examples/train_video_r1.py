@@ -6,8 +6,9 @@ default the file's folder), read by `rollplex_trl.data.load_video_r1`; video and
 `rollplex_trl.data.accuracy_reward` (per problem type, as Video-R1 scores) and `format_reward`
 (`<think>...</think><answer>...</answer>`). The defaults are Video-R1's (`src/scripts/run_grpo_video.sh`): beta 0.04,
 G = 8, completions up to 768 tokens, learning rate 1e-6 with a cosine schedule, weight decay 0.01, gradient-norm
-clip 5, at most 16 frames of 128*28*28 pixels at 2 fps. Every `GRPOConfig` / `rollplex_*` field can be overridden on
-the command line or in a YAML `--config`. Each logged step is appended to `<output_dir>/logs.jsonl`.
+clip 5, at most 16 frames of 128*28*28 pixels at 2 fps, T-GRPO and length control on (its `--temporal true
+--len_control true`; `--rollplex_temporal false` turns T-GRPO off). Every `GRPOConfig` / `rollplex_*` field can be
+overridden on the command line or in a YAML `--config`. Each logged step is appended to `<output_dir>/logs.jsonl`.
 
 The model: `--model_name_or_path` (a local checkpoint, e.g. a downloaded Qwen2.5-VL-3B/7B-Instruct), or by default a
 tiny Qwen2.5-VL built locally (`rollplex_trl.testing.checkpoints.get_checkpoint`, random weights; no model hub).
@@ -44,6 +45,8 @@ VIDEO_R1_DEFAULTS = dict(
     rollplex_video_fps=2.0,
     rollplex_video_max_frames=16,
     rollplex_video_max_pixels=128 * 28 * 28,
+    rollplex_temporal=True,  # Video-R1's --temporal true: T-GRPO (docs/temporal.md)
+    rollplex_len_control=True,  # Video-R1's --len_control true
 )
 
 

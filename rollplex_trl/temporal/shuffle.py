@@ -30,7 +30,9 @@ from typing import Literal
 
 import torch
 
+from rollplex_trl.data.framed import FramedPrompt
 from rollplex_trl.data.prompt import PreparedPrompt, new_prompt_key
+from rollplex_trl.data.video import SampledVideo
 
 Granularity = Literal["frame", "patch"]
 
@@ -93,6 +95,20 @@ def shuffle_video_pixels(pixel_values_videos: torch.Tensor, video_grid_thw: torc
     return torch.cat(parts) if parts else pixel_values_videos.clone()
 
 
+def shuffle_sampled_frames(video: SampledVideo, permutation: torch.Tensor, granularity: Granularity,
+                           temporal_patch_size: int) -> SampledVideo:
+    """The loader's sampled frames (T, 3, H, W) in the shuffled order `shuffle_video_pixels` gives the processed
+    tensor, for engines that run the processor themselves. The sampling metadata (frame indices, fps) is kept: the
+    M-RoPE time of each slot is unchanged, only what the slot shows moves."""
+    frames = video.frames
+    if granularity == "patch":
+        blocks = frames.reshape(frames.size(0) // temporal_patch_size, temporal_patch_size, *frames.shape[1:])
+        frames = blocks[permutation].reshape(frames.shape)
+    else:
+        frames = frames[permutation]
+    return dataclasses.replace(video, frames=frames.contiguous())
+
+
 def temporal_patches(row: PreparedPrompt) -> list[int]:
     """The number of temporal patches of each of the prompt's videos (none for image and text prompts)."""
     return [] if row.video_grid_thw is None else [int(t) for t in row.video_grid_thw[:, 0].tolist()]
@@ -116,7 +132,11 @@ def shuffled_prompt(row: PreparedPrompt, *, seed: int, step: int, granularity: G
         permutations.append(perm)
     pixels = shuffle_video_pixels(row.pixel_values_videos, row.video_grid_thw, permutations, granularity,
                                   temporal_patch_size, channels)
+    media = {}
+    if isinstance(row, FramedPrompt) and row.videos:  # an engine that processes frames itself (vLLM) gets them too
+        media["videos"] = tuple(shuffle_sampled_frames(video, perm, granularity, temporal_patch_size)
+                                for video, perm in zip(row.videos, permutations, strict=True))
     copy = dataclasses.replace(row, sample_id=f"{row.sample_id}/shuffled", pixel_values_videos=pixels,
-                               prompt_key=new_prompt_key())
+                               prompt_key=new_prompt_key(), **media)
     return copy, ShuffledVideo(ordered=row, granularity=granularity, permutations=tuple(permutations))
 

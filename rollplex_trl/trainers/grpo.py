@@ -244,10 +244,18 @@ class RollplexGRPOTrainer(GRPOTrainer):
             self.rollout.peer(prompt_ids, images, num_generations, has_tool_images, pool)
 
         try:
-            return self.backend.generate(rollout, peer)
+            result = self.backend.generate(rollout, peer)
         except BaseException:
             self.batch.prefixes = StepPrefixes()  # a failed rollout leaves no state (nor its graph) behind
             raise
+        rows = self.batch.generation_rows
+        if self.temporal is not None and self.temporal.temporal and self.model.training and rows is not None:
+            # T-GRPO: the shuffled copies' completions, at the same weights, for the rewards (trainers/temporal.py)
+            self.batch.shuffled = self.temporal.sample(
+                rows, process_index=self.accelerator.process_index, step=self.state.global_step,
+                generate=lambda ids, shuffled_rows, per_prompt: self.rollout.extra_samples(
+                    ids, shuffled_rows, per_prompt, trl_generate))
+        return result
 
     # ------------------------------------------------------------------------------------------------------------
     # Log-probs and loss

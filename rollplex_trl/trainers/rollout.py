@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rollplex_trl import trl_compat
-from rollplex_trl.data.prompt import PreparedPrompt
+from rollplex_trl.data.prompt import PreparedPrompt, generation_fields
 from rollplex_trl.overlap import PrefixJobs
 from rollplex_trl.prefix.batch import StepPrefixes
 from rollplex_trl.prefix.generation import BackendPrefill, PrefillForActor, prefill_for_rollout, shared_prefill
@@ -101,6 +101,29 @@ class TrainerRollout:
             return
         with window(input_ids, attention_mask):
             pool.wait()
+
+    def extra_samples(self, prompt_ids: list[list[int]], rows: list[PreparedPrompt], num_generations: int,
+                      trl_generate: TrlGenerate) -> list[list[int]]:
+        """Completion ids for extra rows sampled at the same weights after the step's rollout (T-GRPO's shuffled
+        copies, trainers/temporal.py): the same engine (vLLM, or transformers' `generate` with the shared prefill and
+        shared-prefix decode), but no decode window, no prefix jobs and no prefix kept for the actor: these rows are
+        scored, never trained on. The engine's weights are already this step's (the rollout just synced them)."""
+        t = self.trainer
+        fields = generation_fields(rows)
+        if t.vllm_rollout is not None:
+            (completion_ids, _), _ = t.vllm_rollout.generate(
+                prompt_ids, None, rows, num_generations, weights_step=t.state.global_step,
+                synced_step=trl_compat.last_loaded_step(t), decode_window=None, record=lambda key, value: None,
+                trainer=t)
+            return completion_ids
+        if not self.takes_shared_prefill(None, rows, num_generations, False):
+            return trl_generate(prompt_ids, None, fields, num_generations, False)[0]
+        with shared_prefill(t.accelerator.unwrap_model(t.model), rows, num_generations=num_generations,
+                            shared_decode=t.rollplex["rollplex_shared_decode"],
+                            compile_decode=t.rollplex["rollplex_compile_decode"],
+                            forward_context=t.accelerator.autocast, decode_context=self.decode_weight_casts,
+                            prefill=self.backend_prefill()):
+            return trl_generate(prompt_ids, None, fields, num_generations, False)[0]
 
     # ---- decisions ------------------------------------------------------------------------------------------------
 

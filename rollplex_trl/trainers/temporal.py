@@ -18,6 +18,7 @@ Evaluation (`num_generations_eval`) runs without the recipe, as Video-R1's does.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,6 +33,12 @@ from rollplex_trl.temporal import temporal_bonus as compute_temporal_bonus
 logger = logging.getLogger(__name__)
 
 TEMPORAL_COLUMN, LENGTH_COLUMN = "temporal_bonus", "length_bonus"
+
+
+def _rng_seed(seed: int, step: int, process_index: int) -> int:
+    """The seed of one step's shuffled sampling on one process: reproducible (resume), distinct per step/process."""
+    digest = hashlib.sha256(f"rollplex-temporal-sampling:{seed}:{step}:{process_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def _placeholder(name: str) -> Callable[..., list[None]]:
@@ -111,6 +118,23 @@ class TemporalRecipe:
                                          how=made[1]))
         return out
 
+    def sample(self, rows: list[PreparedPrompt], *, process_index: int, step: int,
+               generate: Callable[[list[list[int]], list[PreparedPrompt], int], list[list[int]]]) -> ShuffledRollout:
+        """Sample the shuffled completions of the groups this process owns. `rows`: this process's generation
+        batch (its prepared prompts, in TRL's order); `generate(prompt ids, rows, per_prompt)`: the trainer's rollout
+        engine without a decode window, returning completion ids per row."""
+        groups = self.shuffled_groups(rows, process_offset=process_index * len(rows), step=step)
+        S = self.generations
+        shuffled_rows = [g.row for g in groups for _ in range(S)]
+        completion_ids: list[list[int]] = []
+        if shuffled_rows:
+            with self.isolated_rng(_rng_seed(self.seed, step, process_index)):
+                completion_ids = generate([list(r.prompt_ids) for r in shuffled_rows], shuffled_rows, S)
+            if len(completion_ids) != len(shuffled_rows):
+                raise RuntimeError(f"internal error: {len(completion_ids)} shuffled completions for "
+                                   f"{len(shuffled_rows)} rows")
+        return ShuffledRollout(groups=groups, completion_ids=[list(c) for c in completion_ids], generations=S)
+
     @staticmethod
     @contextlib.contextmanager
     def isolated_rng(seed: int) -> Iterator[None]:
@@ -155,14 +179,19 @@ class TemporalRecipe:
             groups = int(has_shuffled.sum())
             metrics["rollplex/temporal_groups"] = float(groups)
             metrics["rollplex/temporal_unshuffled_groups"] = float(has_shuffled.numel() - groups)
-            metrics["rollplex/temporal_bonus_rate"] = float(fired.sum()) / groups if groups else 0.0
+            # Video-R1's condition p >= mu * p~ held / a completion of the group was paid the bonus (needs one correct)
+            paid = (bonus > 0).any(dim=1) & has_shuffled
+            metrics["rollplex/temporal_condition_rate"] = float(fired.sum()) / groups if groups else 0.0
+            metrics["rollplex/temporal_bonus_rate"] = float(paid.sum()) / groups if groups else 0.0
+            metrics["rollplex/temporal_shuffled_completions"] = float(groups * shuffled.size(1))
             if groups:
                 metrics["rollplex/temporal_shuffled_accuracy"] = float(torch.nanmean(shuffled[has_shuffled]))
                 metrics["rollplex/temporal_ordered_accuracy"] = float(torch.nanmean(accuracy[has_shuffled]))
             column += 1
         if self.len_control:
-            rewards_per_func[:, column] = length_bonus(accuracy, lengths.view(-1, G).to(accuracy.device),
-                                                       self.length).reshape(-1)
+            paid = length_bonus(accuracy, lengths.view(-1, G).to(accuracy.device), self.length).reshape(-1)
+            rewards_per_func[:, column] = paid
+            metrics["rollplex/len_control_rate"] = float((paid > 0).float().mean()) if paid.numel() else 0.0
         return metrics
 
     def rewards(self, trainer: Any, inputs: list[dict], prompts: list, completion_ids_list: list[list[int]],
@@ -211,6 +240,11 @@ class TemporalRecipe:
         if options["rollplex_temporal"] and options["rollplex_backend"] == "megatron":
             raise NotImplementedError("rollplex_temporal=True with rollplex_backend='megatron': the shuffled rollout "
                                       "is not wired into the Megatron backend's rollout yet. Use the 'hf' backend.")
+        if options["rollplex_temporal"] and (trainer.tools or trainer.environment_factories is not None
+                                             or trainer.rollout_func is not None):
+            raise NotImplementedError("rollplex_temporal=True with tools, environments or a rollout_func: the "
+                                      "shuffled copies are sampled by the trainer's own single-turn rollout. Turn "
+                                      "rollplex_temporal off, or drop the custom rollout.")
         vision = getattr(trainer.accelerator.unwrap_model(trainer.model).config, "vision_config", None)
         recipe = cls(options, reward_func_names=list(trainer.reward_func_names),
                      num_generations=trainer.num_generations, seed=trainer.args.seed,

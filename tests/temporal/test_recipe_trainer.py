@@ -65,4 +65,7 @@ def test_length_control_equals_trl_with_the_bonus_as_a_reward(tiny_qwen2_path, t
             assert x[key] == pytest.approx(y[key], rel=rel, abs=1e-5), (key, step)
         assert x["rewards/length_bonus/mean"] == pytest.approx(y["rewards/video_r1_length_bonus/mean"], abs=1e-6)
         fired += x["rewards/length_bonus/mean"]
+        # the fraction of completions paid the bonus, from the reference's mean (each pays BONUS)
+        assert x["rollplex/len_control_rate"] == pytest.approx(y["rewards/video_r1_length_bonus/mean"] / BONUS,
+                                                               abs=1e-6)
     assert fired > 0, "the bonus never fired: the test would not see a wrong rule"

@@ -112,3 +112,21 @@ def test_permutation_is_reproducible_rank_independent_and_fresh_per_step():
               for s, st, i, v in [(2, 4, "x", 0), (1, 5, "x", 0), (1, 4, "y", 0), (1, 4, "x", 1)]]
     assert all(not torch.equal(a, o) for o in others)
     assert sorted(a.tolist()) == list(range(16))
+
+
+@pytest.mark.parametrize("granularity", ["frame", "patch"])
+def test_framed_prompt_frames_follow_the_pixels(processor, granularity):
+    """vLLM gets frames, not pixel patches (data/framed.py): the shuffled copy's frames, processed again, must be
+    exactly the shuffled copy's pixel tensor the trainer scores, or the sampler and the scorer see different clips."""
+    from rollplex_trl.data.framed import FramedPrompt
+
+    video = _video(8, seed=4)
+    prepared = prepare_prompt(processor, MESSAGES, sample_id="c", videos=[video])
+    values = {f.name: getattr(prepared, f.name) for f in dataclasses.fields(prepared)}
+    framed = FramedPrompt(**values, videos=(video,))
+    copy, how = shuffled_prompt(framed, seed=1, step=2, granularity=granularity)
+    assert isinstance(copy, FramedPrompt) and not torch.equal(copy.videos[0].frames, video.frames)
+    assert copy.videos[0].frame_indices == video.frame_indices  # slot times unchanged
+    reprocessed = prepare_prompt(processor, MESSAGES, sample_id="c", videos=list(copy.videos))
+    assert torch.equal(copy.pixel_values_videos, reprocessed.pixel_values_videos)
+    assert torch.equal(framed.videos[0].frames, video.frames), "the ordered prompt's frames were modified"

@@ -129,3 +129,38 @@ def test_video_with_vllm_server_mode_is_refused_early(tiny_vl_path, tmp_path):
     with pytest.raises(NotImplementedError, match="server"):
         RollplexGRPOTrainer(model=str(tiny_vl_path), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                             args=_config(tmp_path, vllm_mode="server"), train_dataset=dataset)
+
+
+def test_temporal_shuffled_rollout_through_the_vllm_path(tiny_vl_path, tmp_path, monkeypatch):
+    """T-GRPO with the vLLM rollout: the shuffled copies go to the engine as requests of their own (n = the shuffled
+    completions per prompt) carrying the permuted frames, after the ordered ones and at the same weights; with α = 0
+    the run learns exactly as with the recipe off (the extra sampling is RNG-isolated)."""
+    processor = _use_stand_in(monkeypatch, tiny_vl_path, StandInEngine)
+    dataset = Dataset.from_list(video_rows(tmp_path, lambda i: "Q" * i))
+
+    def run(name, **overrides):
+        trainer = RollplexGRPOTrainer(model=str(tiny_vl_path), reward_funcs=lambda completions, **kw: [
+            float(len(c[0]["content"]) % 5) for c in completions], train_dataset=dataset, processing_class=processor,
+            args=_config(tmp_path, output_dir=str(tmp_path / name), per_device_train_batch_size=8, num_generations=4,
+                         **overrides))
+        trainer.train()
+        return trainer, [r for r in trainer.state.log_history if "loss" in r]
+
+    _, off = run("off")
+    trainer, on = run("on", rollplex_temporal=True, rollplex_temporal_alpha=0.0)
+    engine = trainer.vllm_generation.engine
+    assert engine.requests_seen == [[4, 4], [2, 2], [4, 4], [2, 2]]  # ordered (n = G), then shuffled (n = G/2)
+    for ordered, shuffled in (engine.requests[0:2], engine.requests[2:4]):
+        moved = 0
+        for a, b in zip(ordered, shuffled, strict=True):
+            assert a.prompt_ids == b.prompt_ids
+            (frames_a, meta_a), = a.multi_modal_data["video"]
+            (frames_b, meta_b), = b.multi_modal_data["video"]
+            assert meta_a == meta_b and frames_a.shape == frames_b.shape
+            assert sorted(map(bytes, frames_a)) == sorted(map(bytes, frames_b)), "not a permutation of the frames"
+            moved += not (frames_a == frames_b).all()
+        assert moved, "no shuffled request showed its frames in another order"
+    for step, (a, b) in enumerate(zip(on, off, strict=True)):
+        assert a["rollplex/temporal_groups"] == 2
+        for key in ("loss", "reward", "kl", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (key, step)
