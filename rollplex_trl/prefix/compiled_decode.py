@@ -12,7 +12,7 @@ on the same model) and every forward outside the block run the model's own forwa
 What is computed does not change: the same operations in the same order; inductor's fused kernels may round the
 last bit differently (tested: greedy tokens equal to the eager path, sampled tokens' log-probs within 1e-5).
 
-Measured on CPU (docs/shared-prefix.md, "Compiled decode step"): the compile takes minutes on 2 cores for the small
+Measured on CPU (benchmarks/results/shared_decode_compiled*.json): the compile takes minutes on 2 cores for the small
 preset, paid once per process; afterwards each decode step is faster. So `"auto"` leaves it off (a short run never
 pays the compile back), and on CUDA it has never run: there it compiles with inductor's default mode too (CUDA
 graphs would need a fixed-size cache view; not built).

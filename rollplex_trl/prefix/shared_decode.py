@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 # "auto" decodes with the shared prefix from this many completions per prompt on. Measured on CPU
-# (docs/shared-prefix.md, "Shared-prefix decoding"): 1.2-1.5x faster per decode step at G >= 8 with a 576-token
+# (benchmarks/results/shared_decode*.json): 1.2-1.5x faster per decode step at G >= 8 with a 576-token
 # video prompt (1.1x at G = 4), 0.96-1.07x with a 192-token one, but 0.90-0.95x there at G = 4. It depends only on
 # G (the trainer passes num_generations), so every rank decides alike.
 AUTO_MIN_GENERATIONS = 8

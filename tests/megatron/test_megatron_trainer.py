@@ -65,7 +65,7 @@ def _close(a: list[dict], b: list[dict], rel: float) -> None:
     for step, (x, y) in enumerate(zip(a, b, strict=True)):
         for key in KEYS:
             assert x[key] == pytest.approx(y[key], rel=rel, abs=1e-6), (step, key, x[key], y[key])
-    # the measured differences (pytest -s shows them; docs/megatron.md quotes them)
+    # the measured differences (pytest -s shows them)
     print({key: max(abs(x[key] - y[key]) / max(abs(y[key]), 1e-12) for x, y in zip(a, b)) for key in KEYS})
 
 
@@ -367,7 +367,7 @@ def test_tensor_parallel_2_under_trl_defaults_bf16(tiny_vl_path, tmp_path):
     assert ours[0]["reward"] == reference[0]["reward"] and ours[1]["reward"] == reference[1]["reward"]
     step2 = {key: abs(ours[1][key] - reference[1][key]) / abs(reference[1][key])
              for key in ("loss", "kl", "grad_norm", "entropy")}
-    print("bf16 step 2, relative to the hf backend:", step2)  # pytest -s; quoted in the docstring and docs
+    print("bf16 step 2, relative to the hf backend:", step2)  # pytest -s shows it
     assert all(diff <= 6e-2 for diff in step2.values()), step2
 
 
