@@ -153,3 +153,21 @@ def test_text_prompts_get_no_shuffled_copy_and_no_bonus(tiny_qwen2_path, tmp_pat
         for key in KEYS:
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (key, step)
     assert not any(math.isnan(r["loss"]) for r in on)
+
+
+def test_resume_draws_the_same_shuffled_copies_and_samples(tiny_vl_path, tmp_path, video_dataset):
+    """The permutation and the shuffled rollout's RNG are functions of (seed, step, sample, process): a run resumed
+    from a checkpoint scores the same shuffled completions and logs the same bonus as the uninterrupted run."""
+    kwargs = dict(max_steps=4, save_strategy="steps", save_steps=2, rollplex_temporal=True)
+    full_reward = RecordingAccuracy()
+    full, full_logs = _train(tiny_vl_path, video_dataset, tmp_path, "full", reward=full_reward, **kwargs)
+    resumed_reward = RecordingAccuracy()
+    resumed = RollplexGRPOTrainer(model=str(tiny_vl_path), reward_funcs=[resumed_reward],
+                                  args=_config(tmp_path, "resumed", **kwargs), train_dataset=video_dataset)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    assert len(full_reward.calls) == 8 and resumed_reward.calls == full_reward.calls[4:]
+    resumed_logs = [r for r in resumed.state.log_history if "loss" in r]
+    assert [r["step"] for r in resumed_logs[-2:]] == [3, 4]
+    for a, b in zip(resumed_logs[-2:], full_logs[2:], strict=True):
+        for key in (*KEYS, "rewards/temporal_bonus/mean", "rollplex/temporal_shuffled_accuracy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
