@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_temporal_trainer import video_r1_bonus
 
 G, S = 4, 2
