@@ -200,6 +200,15 @@ def render_trl_defaults(data: dict) -> str:
     return columns(spec, rows)
 
 
+def render_temporal(data: dict) -> str:
+    rows = [{"configuration": name, **row} for name, row in data["table"].items()]
+    spec = [("configuration", lambda r: r["configuration"]), ("step (s)", lambda r: num(r.get("step_s"))),
+            ("step / GRPO's", lambda r: f"**{ratio(r.get('vs_grpo'))}**"),
+            ("shuffled groups per step", lambda r: num(r.get("shuffled_groups_per_step"))),
+            ("naive / ours", lambda r: ratio(r["naive_over_ours"]) if "naive_over_ours" in r else NONE)]
+    return columns(spec, rows)
+
+
 def render_overlap(data: dict) -> str:
     modes = [{"mode": name, **mode} for name, mode in data["modes"].items()]
     spec = [("mode", lambda r: r["mode"]), ("step (s)", lambda r: num(r.get("step_s"))),
@@ -342,6 +351,12 @@ SECTIONS = [
      ".venv/bin/python benchmarks/bench_shared_decode.py [--quick] [--compile] [--whole-step N] "
      "--out benchmarks/results/shared_decode.json`.",
      [("shared_decode*.json", render_shared_decode, None)]),
+    ("## T-GRPO's shuffled rollout (`benchmarks/bench_temporal.py`)",
+     "Plain GRPO against T-GRPO with the shuffled rows sampled as Video-R1 samples them (TRL's generate, every row "
+     "prefilling the whole video prompt) and through the trainer's rollout (shared prefill, shared-prefix decode), "
+     "on the synthetic video task, runs alternating; run `OMP_NUM_THREADS=2 .venv/bin/python "
+     "benchmarks/bench_temporal.py [--size 224] [--frames 16] [--repeats 3] --out benchmarks/results/temporal.json`.",
+     [("temporal*.json", render_temporal, None)]),
     ("## Memory (`benchmarks/bench_memory.py`)",
      "`rollplex_memory` off against on (and `--offload`: activations parked in host memory) in fresh processes, "
      "alternating: peak memory per phase, the step time and the registered bytes against the planner's; run "
