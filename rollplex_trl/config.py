@@ -394,6 +394,24 @@ class RollplexGRPOConfig(GRPOConfig):
         default=0.2,
         metadata={"help": "Length control's bonus added to the reward (Video-R1: 0.2)."},
     )
+    rollplex_verify_every: int | None = _option(
+        rule=_Rule("optional_int", "an integer >= 0 or None", lambda v: v is None or v >= 0),
+        default=None,
+        metadata={"help": "Exactness audit (docs/verify.md): every this many steps (and at step 0), recompute the "
+                  "first rollplex_verify_rows rows of each log-prob pass Rollplex ran (reference, old, actor) with a "
+                  "plain full forward and log the largest difference as rollplex/verify_*; warn above a tolerance "
+                  "set by the precision. 0: off. None: every 200 steps where available (the hf backend), else off."},
+    )
+    rollplex_verify_rows: int | None = _option(
+        rule=_Rule("optional_int", "an integer >= 1 or None", lambda v: v is None or v >= 1),
+        default=None,
+        metadata={"help": "Rows each audited pass recomputes. None: num_generations (one group)."},
+    )
+    rollplex_verify_strict: bool = _option(
+        rule=_Rule("bool", "true or false"),
+        default=False,
+        metadata={"help": "Raise instead of warning when the exactness audit finds a difference above tolerance."},
+    )
 
     def __post_init__(self) -> None:
         _validate(self)  # first: a bad rollplex_* value is reported as such, whatever else is wrong

@@ -16,8 +16,9 @@ One training step, top to bottom (each TRL override below is a few lines that ha
 The components (docs/architecture.md): `support` (what the configuration allows, decided once), `backend` (the
 engine that trains the policy: backends/), `sharing` (whether the shared prefix runs), `rollout`, `batch` (the
 batch in flight and its `StepPrefixes`), `overlap`, `actor_window`, `vllm_rollout`, `media`, `phase_memory`,
-`memory_ledger`, `checkpoint_staging`. Third-party internals are touched only in the compat modules.
-Batches without prepared prompts (text, or images without the shared prefix) run TRL's code unchanged.
+`memory_ledger`, `checkpoint_staging`, `temporal` (T-GRPO), `audit` (the exactness audit). Third-party internals
+are touched only in the compat modules. Batches without prepared prompts (text, or images without the shared prefix)
+run TRL's code unchanged.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from rollplex_trl.trainers.rollout import TrainerRollout
 from rollplex_trl.trainers.sharing import PrefixSharing
 from rollplex_trl.trainers.support import Support, decide_support, log_notices, refuse_before_setup
 from rollplex_trl.trainers.temporal import TemporalRecipe
+from rollplex_trl.trainers.verify import audit_pass, build_audit
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +125,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         self.reward_funcs = [reject_non_finite_rewards(f, name)
                              for f, name in zip(self.reward_funcs, self.reward_func_names, strict=True)]
         self.temporal = TemporalRecipe.build(self)  # T-GRPO / length control (trainers/temporal.py); None when off
+        self.audit = build_audit(self)  # rollplex_verify_every (trainers/verify.py); None when off
         if self.rollplex["rollplex_timeline"] and not any(isinstance(c, TimelineImageCallback)
                                                           for c in self.callback_handler.callbacks):
             self.add_callback(TimelineImageCallback(self))  # the timeline as an image in image-taking trackers
@@ -248,13 +251,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
         except BaseException:
             self.batch.prefixes = StepPrefixes()  # a failed rollout leaves no state (nor its graph) behind
             raise
-        rows = self.batch.generation_rows
-        if self.temporal is not None and self.temporal.temporal and self.model.training and rows is not None:
-            # T-GRPO: the shuffled copies' completions, at the same weights, for the rewards (trainers/temporal.py)
-            self.batch.shuffled = self.temporal.sample(
-                rows, process_index=self.accelerator.process_index, step=self.state.global_step,
-                generate=lambda ids, shuffled_rows, per_prompt: self.rollout.extra_samples(
-                    ids, shuffled_rows, per_prompt, trl_generate))
+        if self.temporal is not None:  # T-GRPO: the shuffled copies' completions, for the rewards
+            self.temporal.after_rollout(self, trl_generate)
         return result
 
     # ------------------------------------------------------------------------------------------------------------
@@ -275,8 +273,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         rows = inputs.get(PREPARED_KEY)
         self._decide_sharing_from_mask(inputs["prompt_ids"], inputs["prompt_mask"])  # a custom rollout_func's batch
         actor = None
-        # Inside a training step's window the prefix is shared across micro-batches (prefix/actor.py); a direct
-        # call outside one still shares within the micro-batch (`_get_per_token_logps_and_entropies`).
+        # in a step's window the prefix serves every micro-batch (prefix/actor.py); outside one, the micro-batch's
         window = self.actor_window
         if (window is not None and window.is_open and self.model.training and torch.is_grad_enabled()
                 and self._shareable(rows, inputs)):
@@ -338,6 +335,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
                     self._trained_model(model), actor.leaf_state, row_to_prompt, input_ids[:, P:],
                     attention_mask[:, P:], temperature=self.temperature, compute_entropy=compute_entropy)
             self._log_prefix_use(actor.rows or input_ids.size(0), len(actor.key_to_prompt))
+            audit_pass(self, model, logps, input_ids, attention_mask, logits_to_keep, vision_kwargs, ["actor prefix"])
             return logps, entropies, None
         # every other pass (reference, old, the actor outside a window): each prompt once per call where it can
         share = self.sharing.on and self._shareable(rows, vision_kwargs)
@@ -358,6 +356,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
         logps, entropies, num_prompts = result
         if num_prompts is not None:
             self._log_prefix_use(input_ids.size(0), num_prompts)
+        audit_pass(self, model, logps, input_ids, attention_mask, logits_to_keep, vision_kwargs,
+                   [m for m, on in (("shared prefix", share), ("decode-window prefix", precomputed)) if on])
         return logps, entropies, None
 
     def _trained_model(self, model):
@@ -399,8 +399,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if distributed:
             self.accelerator.wait_for_everyone()
-        # the rollout model takes the last weights, then the backend lets go; what remains (saving, inference) is
-        # the transformers model's
+        # the rollout model takes the last weights; then what remains (saving, inference) is the transformers model
         self.backend.close()
         self.backend = HfBackend(self.accelerator.unwrap_model)
         if hasattr(super(), "end"):  # transformers >= 5.18

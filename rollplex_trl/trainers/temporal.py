@@ -135,6 +135,17 @@ class TemporalRecipe:
                                    f"{len(shuffled_rows)} rows")
         return ShuffledRollout(groups=groups, completion_ids=[list(c) for c in completion_ids], generations=S)
 
+    def after_rollout(self, trainer: Any, trl_generate: Callable) -> None:
+        """After the ordered rollout of a training generation batch: sample the shuffled copies at the same weights
+        through the trainer's rollout engine (`TrainerRollout.extra_samples`) into `trainer.batch.shuffled`."""
+        rows = trainer.batch.generation_rows
+        if not (self.temporal and trainer.model.training and rows is not None):
+            return
+        trainer.batch.shuffled = self.sample(
+            rows, process_index=trainer.accelerator.process_index, step=trainer.state.global_step,
+            generate=lambda ids, shuffled_rows, per_prompt: trainer.rollout.extra_samples(
+                ids, shuffled_rows, per_prompt, trl_generate))
+
     @staticmethod
     @contextlib.contextmanager
     def isolated_rng(seed: int) -> Iterator[None]:

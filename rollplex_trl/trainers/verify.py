@@ -1,0 +1,153 @@
+"""`ExactnessAudit`: every run checks its own speed-ups (rollplex_verify_every, docs/verify.md).
+
+On an audit step, each log-prob pass the step runs through Rollplex's machinery (the reference and old passes with
+the shared prefix, prefixes built in the decode window or kept from the rollout's prefill; the actor's suffix against
+the window's prefix) is recomputed for its first `rollplex_verify_rows` rows the plain way: full sequences through the
+same model, under no_grad, with none of those mechanisms (TRL's own pass for text rows, the unshared per-row pass for
+prepared image and video rows). The largest differences are logged as `rollplex/verify_<pass>_logp_abs` (log-prob)
+and `rollplex/verify_<pass>_prob_rel` (|exp(Δ) - 1|, the relative error of the token's probability), and compared
+with a tolerance that depends on the precision: a difference above it is a warning naming the pass and the
+mechanisms it used (an error with rollplex_verify_strict).
+
+The audit reads the model and writes nothing: no RNG draw, no graph, no module state, so a run with audits learns
+exactly what it learns without them (tested). Passes that ran TRL's own code are not audited (nothing to compare).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+AUTO_EVERY = 200  # rollplex_verify_every=None: the first step and then every this many steps
+# Largest |Δ log-prob| of the same tokens between the Rollplex pass and the plain pass. fp32: the same math in
+# another summation order (measured 5e-7 on the test models; 1e-4 leaves room for longer sums and bigger models).
+# bf16 autocast: each matmul rounds to bf16 (8 mantissa bits, 2^-8 relative) in a different order on the two paths
+# (measured 1e-3 on the test models with checkpointing; a 7B model's logits are larger, so its ulps are too). A
+# broken mechanism (a wrong prefix, stale weights, another group's cache) typically moves log-probs by O(0.1-1).
+TOLERANCE = {"fp32": 1e-4, "bf16": 0.1, "fp16": 0.02}
+
+
+@dataclass(frozen=True)
+class AuditSpec:
+    every: int  # 0: off
+    rows: int
+    strict: bool
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+
+def audit_spec(options: dict[str, Any], *, num_generations: int, backend: str) -> AuditSpec:
+    """The audit this run does. None (auto): the first step and every AUTO_EVERY on the hf backend; off (logged once)
+    where the audit has no plain pass to compare with (the Megatron backend). An explicit positive value on such a
+    backend is refused."""
+    every = options["rollplex_verify_every"]
+    if backend != "hf":
+        if every:
+            raise NotImplementedError(f"rollplex_verify_every={every} with rollplex_backend={backend!r}: the audit "
+                                      "recomputes log-probs through the Hugging Face model, which this backend does "
+                                      "not train. Set rollplex_verify_every=0 (or leave it None).")
+        if every is None:
+            logger.info("rollplex_verify_every=None (auto): off on the %s backend (no plain pass to compare with)",
+                        backend)
+        every = 0
+    elif every is None:
+        every = AUTO_EVERY
+    rows = options["rollplex_verify_rows"] or num_generations
+    return AuditSpec(every=every, rows=rows, strict=bool(options["rollplex_verify_strict"]))
+
+
+def precision_of(mixed_precision: str) -> str:
+    return {"bf16": "bf16", "fp16": "fp16"}.get(mixed_precision, "fp32")
+
+
+def compare(used: torch.Tensor, plain: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """(max |Δ log-prob|, max |exp(Δ) - 1|) over the completion tokens `mask` selects; 0 where it selects none."""
+    delta = (used.detach().float() - plain.float())[mask.bool()]
+    if delta.numel() == 0:
+        return 0.0, 0.0
+    return float(delta.abs().max()), float(torch.expm1(delta).abs().max())
+
+
+class ExactnessAudit:
+    def __init__(self, spec: AuditSpec, precision: str) -> None:
+        self.spec = spec
+        self.precision = precision
+        self.tolerance = TOLERANCE[precision]
+        self._audited: set[tuple[int, str]] = set()  # (step, pass): the first call of each pass per step
+        self._warned: set[str] = set()
+
+    def wants(self, step: int, kind: str) -> bool:
+        return self.spec.due(step) and (step, kind) not in self._audited
+
+    def check(self, *, step: int, kind: str, used: torch.Tensor, mask: torch.Tensor,
+              plain: Callable[[int], torch.Tensor], mechanisms: list[str], record: Callable[[str, float], None]
+              ) -> None:
+        """Compare the first rows of a pass's log-probs `used` (rows, C) with `plain(rows)`, the plain recomputation
+        of those rows; `mask` (rows, C) marks completion tokens. `mechanisms`: what the pass used (for the report)."""
+        self._audited.add((step, kind))
+        rows = min(self.spec.rows, used.size(0))
+        with torch.no_grad():
+            reference = plain(rows)
+        abs_diff, rel_diff = compare(used[:rows], reference, mask[:rows])
+        record(f"rollplex/verify_{kind}_logp_abs", abs_diff)
+        record(f"rollplex/verify_{kind}_prob_rel", rel_diff)
+        ok = abs_diff <= self.tolerance
+        logger.info("rollplex audit step %d, %s log-probs of %d rows: max |Δ| %.2e (tolerance %.0e, %s) %s", step,
+                    kind, rows, abs_diff, self.tolerance, self.precision, "ok" if ok else "EXCEEDED")
+        if ok:
+            return
+        message = (f"rollplex exactness audit, step {step}: the {kind} log-probs differ from a plain full forward of "
+                   f"the same rows by up to {abs_diff:.3g} (tolerance {self.tolerance:g} under {self.precision}). The "
+                   f"pass used: {', '.join(mechanisms) or 'no Rollplex mechanism'}. Turn them off one at a time "
+                   "(rollplex_share_prefix='off', rollplex_overlap='off', rollplex_suffix_attention='concat') to find "
+                   "the one at fault, and report it (docs/verify.md).")
+        if self.spec.strict:
+            raise RuntimeError(message + " (rollplex_verify_strict=True)")
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(message)
+
+
+def audit_pass(trainer: Any, model: Any, logps: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               logits_to_keep: int, vision_kwargs: dict, mechanisms: list[str]) -> None:
+    """The trainer's side of an audit: which pass this is, and its plain recomputation (trainers/grpo.py calls it
+    after each Rollplex log-prob pass; it returns at once when no audit is due)."""
+    from trl import GRPOTrainer
+
+    from rollplex_trl.prefix.batch import prepared_rows_logps
+
+    audit: ExactnessAudit | None = trainer.audit
+    if audit is None or any(v is not None for v in vision_kwargs.values()):  # TRL's own vision inputs: its pass
+        return
+    actor = torch.is_grad_enabled() and trainer.model.training
+    kind = "actor" if actor else ("ref" if model is trainer.ref_model else "policy")
+    step = trainer.state.global_step
+    if not audit.wants(step, kind):
+        return
+    plain_model = trainer._trained_model(model) if actor else trainer.accelerator.unwrap_model(model)
+    rows = trainer.batch.scored_rows
+
+    def plain(n: int) -> torch.Tensor:
+        ids, mask = input_ids[:n], attention_mask[:n]
+        if rows is not None:  # prepared image/video rows: the unshared per-row pass, vision inputs from the rows
+            return prepared_rows_logps(plain_model, rows[:n], ids, mask, logits_to_keep, None, False, False,
+                                       trainer.accelerator.autocast)[0]
+        with trainer.accelerator.autocast():  # text: TRL's own pass
+            return GRPOTrainer._get_per_token_logps_and_entropies(trainer, plain_model, ids, mask, logits_to_keep)[0]
+
+    audit.check(step=step, kind=kind, used=logps, mask=attention_mask[:, -logits_to_keep:], plain=plain,
+                mechanisms=mechanisms, record=trainer._record)
+
+
+def build_audit(trainer: Any) -> ExactnessAudit | None:
+    """The trainer's audit, or None when rollplex_verify_every resolves to off."""
+    spec = audit_spec(trainer.rollplex, num_generations=trainer.num_generations,
+                      backend=trainer.rollplex["rollplex_backend"])
+    return ExactnessAudit(spec, precision_of(trainer.accelerator.mixed_precision)) if spec.every else None

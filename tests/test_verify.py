@@ -1,0 +1,109 @@
+"""The exactness audit (rollplex_verify_every, trainers/verify.py): within tolerance when every mechanism works,
+caught when a prefix is wrong, and invisible to training."""
+
+import logging
+
+import pytest
+import torch
+from datasets import Dataset
+
+import rollplex_trl.prefix.batch as prefix_batch
+from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
+from rollplex_trl.trainers.verify import TOLERANCE, audit_spec
+
+from helpers import video_rows
+
+KEYS = ("loss", "reward", "kl", "grad_norm", "entropy")
+PASSES = ("ref", "policy", "actor")
+
+
+def varied_reward(completions, **kwargs):
+    return [float(len(c[0]["content"]) % 5) for c in completions]
+
+
+def _train(model, dataset, tmp_path, name, **overrides):
+    kwargs = dict(output_dir=str(tmp_path / name), max_steps=3, per_device_train_batch_size=8, num_generations=4,
+                  max_completion_length=6, learning_rate=5e-3, beta=0.1, logging_steps=1, report_to=[], seed=11,
+                  use_cpu=True, bf16=False, gradient_checkpointing=False, save_strategy="no",
+                  rollplex_verify_every=1, rollplex_video_min_pixels=4 * 28 * 28, rollplex_video_max_pixels=56 * 84,
+                  # the old pass runs too (two optimizer steps per generation batch)
+                  steps_per_generation=2, gradient_accumulation_steps=1)
+    kwargs.update(overrides)
+    trainer = RollplexGRPOTrainer(model=str(model), reward_funcs=varied_reward,
+                                  args=RollplexGRPOConfig(**kwargs), train_dataset=dataset)
+    trainer.train()
+    return trainer, [r for r in trainer.state.log_history if "loss" in r]
+
+
+@pytest.fixture()
+def video_dataset(tmp_path):
+    return Dataset.from_list(video_rows(tmp_path / "clips"))
+
+
+@pytest.mark.parametrize("defaults", [False, True], ids=["fp32", "trl-defaults"])
+def test_audit_within_tolerance_on_video(tiny_vl_path, tmp_path, video_dataset, defaults, caplog):
+    extra = dict(bf16=True, gradient_checkpointing=True) if defaults else {}
+    with caplog.at_level(logging.INFO, logger="rollplex_trl.trainers.verify"):
+        _, logs = _train(tiny_vl_path, video_dataset, tmp_path, "video", **extra)
+    tolerance = TOLERANCE["bf16" if defaults else "fp32"]
+    seen = {kind for r in logs for kind in PASSES if f"rollplex/verify_{kind}_logp_abs" in r}
+    assert seen == set(PASSES), seen
+    worst = max(r[key] for r in logs for key in (f"rollplex/verify_{k}_logp_abs" for k in PASSES) if key in r)
+    print("largest audited |Δ log-prob|:", worst)  # pytest -s
+    assert worst <= tolerance
+    assert worst > 0 or not defaults, "bf16 paths that agree bitwise would mean the audit compared a pass to itself"
+    assert "EXCEEDED" not in caplog.text and "rollplex audit step 0" in caplog.text
+
+
+def test_audit_on_text_prompts(tiny_qwen2_path, tmp_path):
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"count to {i}"}] for i in range(8)]})
+    _, logs = _train(tiny_qwen2_path, dataset, tmp_path, "text")
+    values = [r[f"rollplex/verify_{k}_logp_abs"] for r in logs for k in PASSES if f"rollplex/verify_{k}_logp_abs" in r]
+    assert values and max(values) <= TOLERANCE["fp32"]
+
+
+def test_audit_does_not_change_training(tiny_vl_path, tmp_path, video_dataset):
+    audited, a = _train(tiny_vl_path, video_dataset, tmp_path, "audited")
+    plain, b = _train(tiny_vl_path, video_dataset, tmp_path, "plain", rollplex_verify_every=0)
+    assert not any("rollplex/verify_actor_logp_abs" in r for r in b)
+    for x, y in zip(a, b, strict=True):
+        for key in (k for k in KEYS if k in y):  # reward and KL at generation steps only
+            assert x[key] == y[key], key
+    for p, q in zip(audited.model.parameters(), plain.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def _perturbed_prefix(monkeypatch, scale=1e-3):
+    """A broken mechanism: every shared prefix's values are off by `scale` (what a wrong K/V layout would do)."""
+    forward = prefix_batch.prefix_forward
+
+    def broken(*args, **kwargs):
+        state = forward(*args, **kwargs)
+        state.values = [v + scale for v in state.values]
+        return state
+
+    monkeypatch.setattr(prefix_batch, "prefix_forward", broken)
+
+
+def test_audit_catches_a_perturbed_prefix(tiny_vl_path, tmp_path, video_dataset, monkeypatch, caplog):
+    _perturbed_prefix(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="rollplex_trl.trainers.verify"):
+        _, logs = _train(tiny_vl_path, video_dataset, tmp_path, "broken", max_steps=1)
+    assert logs[0]["rollplex/verify_ref_logp_abs"] > TOLERANCE["fp32"]
+    assert "the ref log-probs differ" in caplog.text and "shared prefix" in caplog.text
+
+
+def test_strict_audit_raises(tiny_vl_path, tmp_path, video_dataset, monkeypatch):
+    _perturbed_prefix(monkeypatch)
+    with pytest.raises(RuntimeError, match="rollplex_verify_strict"):
+        _train(tiny_vl_path, video_dataset, tmp_path, "strict", max_steps=1, rollplex_verify_strict=True)
+
+
+def test_audit_spec_defaults_and_refusals():
+    options = dict(rollplex_verify_every=None, rollplex_verify_rows=None, rollplex_verify_strict=False)
+    spec = audit_spec(options, num_generations=8, backend="hf")
+    assert (spec.every, spec.rows) == (200, 8) and spec.due(0) and spec.due(400) and not spec.due(1)
+    assert audit_spec(options, num_generations=8, backend="megatron").every == 0  # auto: off, logged
+    assert audit_spec({**options, "rollplex_verify_every": 0}, num_generations=8, backend="hf").every == 0
+    with pytest.raises(NotImplementedError, match="rollplex_verify_every=5"):
+        audit_spec({**options, "rollplex_verify_every": 5}, num_generations=8, backend="megatron")
