@@ -237,3 +237,12 @@ def test_rotation_keeps_the_best_and_the_latest(tiny_qwen2_path, tmp_path):
 
 if __name__ == "__main__":  # the child of the kill test
     _child(*sys.argv[1:4])
+
+
+@pytest.mark.parametrize("word", ["latest", "true", "True"])
+def test_command_line_words_resume_from_the_newest_complete_checkpoint(tiny_qwen2_path, run_dir, word):
+    """`--resume_from_checkpoint latest` arrives as a string: it means resume_from_checkpoint=True."""
+    (run_dir / "checkpoint-2" / "model.safetensors").write_bytes(b"")  # the newest is incomplete: checkpoint-1
+    trainer = _trainer(tiny_qwen2_path, run_dir)
+    trainer.train(resume_from_checkpoint=word)
+    assert trainer.state.global_step == 2 and _steps(trainer) == [2]

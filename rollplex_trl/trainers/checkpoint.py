@@ -274,9 +274,15 @@ def _resume_needs_optimizer(trainer) -> bool:
 
 
 def resolve_resume(trainer, resume_from_checkpoint: str | bool | None) -> str | bool | None:
-    """`True`: the newest complete checkpoint of `args.output_dir` (leftover staging folders removed). A path: checked,
+    """`True` (or "latest"/"true", as the command line passes it): the newest complete checkpoint of `args.output_dir`
+    (leftover staging folders removed). A path: checked,
     `CheckpointError` naming the file and the problem if incomplete. With `save_only_model` (no optimizer state by
     design) a missing optimizer is a warning."""
+    if isinstance(resume_from_checkpoint, str) and not os.path.exists(resume_from_checkpoint):
+        # the command line's `--resume_from_checkpoint latest` (or true/false) arrives as a string
+        word = resume_from_checkpoint.strip().lower()
+        resume_from_checkpoint = {"latest": True, "true": True, "false": None, "none": None, "": None}.get(
+            word, resume_from_checkpoint)
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return resume_from_checkpoint
     output_dir = trainer.args.output_dir
@@ -298,7 +304,8 @@ def resolve_resume(trainer, resume_from_checkpoint: str | bool | None) -> str | 
             missing_optimizer = any(p.endswith("(the optimizer state)") for p in problems)
             raise CheckpointError(
                 f"Cannot resume from {path}: " + "; ".join(problems) + ". Pick another checkpoint (" + hint
-                + "), or pass resume_from_checkpoint=True to take the newest complete one in the output directory"
+                + "), or pass resume_from_checkpoint=True (`--resume_from_checkpoint latest` on the command line) "
+                + "to take the newest complete one in the output directory"
                 + (". To continue deliberately with a fresh optimizer, load the weights without resuming (or resume "
                    "with save_only_model=True)" if missing_optimizer else "") + ".")
     if not require_optimizer and optimizer_problems(path):
