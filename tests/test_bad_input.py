@@ -190,3 +190,18 @@ def test_none_reward_keeps_trl_semantics(tiny_vl_path, tmp_path):
 def test_bad_config_values_are_rejected(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):
         _config(tmp_path, **{field: value})
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_plain_string_prompt_with_media_is_refused_before_the_model_loads(tmp_path, streamed):
+    """A plain-string prompt cannot carry a video: refused at construction, naming the row and the format, before
+    any model loads (the model path here does not exist: reaching it would be a different error)."""
+    clip = write_mp4(tmp_path / "a.mp4", num_frames=4, height=56, width=56)
+    dataset = Dataset.from_list([{"problem_id": 7, "prompt": "What happens in the video?", "video": str(clip)}])
+    if streamed:
+        dataset = dataset.to_iterable_dataset()
+    args = RollplexGRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to=[],
+                              per_device_train_batch_size=2, num_generations=2)
+    with pytest.raises(ValueError, match=r"problem_id=7 \(row 0\) has a 'video' but its prompt is a plain string"):
+        RollplexGRPOTrainer(model=str(tmp_path / "no-such-model"), reward_funcs=lambda completions, **k: [0.0],
+                            args=args, train_dataset=dataset)

@@ -82,6 +82,29 @@ def has_video_column(dataset: Any) -> bool:
     return has_column(dataset, VIDEO_COLUMNS)
 
 
+def check_prompt_format(dataset: Any, name: str, rows: int = 4) -> None:
+    """Before any model loads: a row with a video or image but a plain-string prompt cannot carry the media (the
+    chat template has nowhere to put it), and fails only at the first training step otherwise. Checks the first
+    `rows` rows of a map-style dataset (or a stream's, through `take`)."""
+    if dataset is None or not has_column(dataset, (*VIDEO_COLUMNS, *IMAGE_COLUMNS)):
+        return
+    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        first = [dataset[i] for i in range(min(rows, len(dataset)))]
+    elif hasattr(dataset, "take"):
+        first = list(dataset.take(rows))
+    else:
+        return
+    for index, row in enumerate(first):
+        media = [c for c in (*VIDEO_COLUMNS, *IMAGE_COLUMNS) if row.get(c) is not None]
+        if media and isinstance(row.get("prompt"), str):
+            raise ValueError(
+                f"the {name} dataset's {_sample_id(row, index)} has a '{media[0]}' but its prompt is a plain string: "
+                "a prompt with media must be conversational, e.g. "
+                "[{'role': 'user', 'content': [{'type': 'video'}, {'type': 'text', 'text': 'What happens?'}]}] "
+                "(one {'type': 'video'} or {'type': 'image'} entry per item, where it belongs in the text; "
+                "docs/video-data.md).")
+
+
 def _sample_id(row: dict, index: int) -> SampleLabel:
     """How messages name a row, e.g. `problem_id=100 (row 0)` (they read `sample problem_id=100 (row 0): ...`)."""
     for key in ("problem_id", "id", "sample_id"):

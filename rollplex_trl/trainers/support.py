@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollplex_trl.data.prepared import has_video_column
+from rollplex_trl.data.prepared import check_prompt_format, has_video_column
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,11 @@ def refuse_before_setup(arguments: dict[str, Any]) -> None:
 
     `arguments` are GRPOTrainer.__init__'s, by name.
     """
+    evals = arguments.get("eval_dataset")
+    datasets = {"train": arguments.get("train_dataset"),
+                **({f"eval[{k}]": v for k, v in evals.items()} if isinstance(evals, dict) else {"eval": evals})}
+    for name, dataset in datasets.items():
+        check_prompt_format(dataset, name)
     config = arguments.get("args")
     if config is None:
         return
@@ -115,9 +120,6 @@ def refuse_before_setup(arguments: dict[str, Any]) -> None:
                          "completions per prompt itself. Remove num_return_sequences and set num_generations instead.")
     if not (config.use_vllm and config.vllm_mode == "server"):
         return
-    evals = arguments.get("eval_dataset")
-    datasets = {"train": arguments.get("train_dataset"),
-                **({f"eval[{k}]": v for k, v in evals.items()} if isinstance(evals, dict) else {"eval": evals})}
     for name, dataset in datasets.items():
         if dataset is not None and has_video_column(dataset):
             raise NotImplementedError(
