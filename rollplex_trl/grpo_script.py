@@ -118,6 +118,23 @@ def load_datasets(script_args: GRPOScriptArguments, dataset_args: Any, training_
     return train, dataset[script_args.dataset_test_split] if eval_wanted else None
 
 
+def check_inputs_exist(script_args: GRPOScriptArguments, model_args: Any) -> None:
+    """Before anything loads: a local model folder or annotation file that is not there gets an error naming the
+    command that creates it (the recipes expect `build-checkpoint` and `make-synthetic` to have run)."""
+    model = model_args.model_name_or_path
+    local = os.path.isabs(model) or model.startswith(".") or model.count("/") >= 2  # not a hub id "org/name"
+    if local and not os.path.exists(model):
+        raise FileNotFoundError(f"--model_name_or_path {model}: no such folder. For the recipes' tiny Qwen2.5-VL run "
+                                f"`rollplex-trl build-checkpoint --output-dir {model}` (`--kind qwen2` for a text "
+                                "model), or give a downloaded checkpoint.")
+    annotations = script_args.video_r1_annotations
+    if annotations and not os.path.exists(annotations):
+        folder = os.path.dirname(annotations) or "."
+        raise FileNotFoundError(f"--video_r1_annotations {annotations}: no such file. The synthetic video task in "
+                                f"Video-R1's format: `rollplex-trl make-synthetic --output-dir {folder}` (writes "
+                                f"{os.path.join(folder, 'annotations.jsonl')} and its MP4s).")
+
+
 def main(script_args: GRPOScriptArguments, training_args: Any, model_args: Any, dataset_args: Any):
     """TRL's `grpo.py` `main` with `RollplexGRPOTrainer`; returns the trainer after training and saving."""
     from trl import get_peft_config, get_quantization_config
@@ -127,6 +144,7 @@ def main(script_args: GRPOScriptArguments, training_args: Any, model_args: Any, 
     if model_args.model_name_or_path is None:
         raise ValueError("pass --model_name_or_path (a local checkpoint; `rollplex-trl build-checkpoint --output-dir "
                          "DIR` writes a tiny Qwen2.5-VL, `--kind qwen2` a tiny text model)")
+    check_inputs_exist(script_args, model_args)
     reward_funcs = load_reward_funcs(script_args)
     model_init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
                              attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)

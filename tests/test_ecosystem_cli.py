@@ -134,6 +134,22 @@ def test_bad_reward_name_and_missing_dataset_are_named():
         grpo_script.load_datasets(script_args, dataset_args, training_args)
 
 
+def test_recipe_inputs_not_prepared_name_the_command_that_makes_them(tiny_vl_path, tmp_path):
+    script_args, _, model_args, _ = grpo_script.parse(
+        ["--output_dir", "unused", "--use_cpu", "true", "--bf16", "false", "--model_name_or_path",
+         str(tmp_path / "runs" / "checkpoints" / "tiny"), "--video_r1_annotations",
+         str(tmp_path / "runs" / "data" / "annotations.jsonl")])
+    with pytest.raises(FileNotFoundError, match="rollplex-trl build-checkpoint --output-dir .*runs/checkpoints/tiny"):
+        grpo_script.check_inputs_exist(script_args, model_args)
+    model_args.model_name_or_path = str(tiny_vl_path)
+    with pytest.raises(FileNotFoundError, match="rollplex-trl make-synthetic --output-dir .*runs/data"):
+        grpo_script.check_inputs_exist(script_args, model_args)
+    script_args.video_r1_annotations = None
+    grpo_script.check_inputs_exist(script_args, model_args)  # both there: nothing to say
+    model_args.model_name_or_path = "Qwen/Qwen2.5-VL-7B-Instruct"  # a hub id (maybe cached) is the hub's business
+    grpo_script.check_inputs_exist(script_args, model_args)
+
+
 def test_dataset_mixture_from_the_recipe(toy_text, tmp_path):
     """TRL's `datasets:` list in the YAML (DatasetMixtureConfig) is read as `trl grpo` reads it."""
     recipe = tmp_path / "mixture.yaml"
