@@ -5,6 +5,8 @@
   says where the checkpoint and logs went.
 - `rollplex-trl build-checkpoint`: writes a local checkpoint (tiny/small Qwen2.5-VL or Qwen2).
 - `rollplex-trl make-synthetic`: writes the synthetic video task in Video-R1 format.
+- `rollplex-trl ask --checkpoint DIR --video FILE "question"`: a trained checkpoint's answer, frames sampled as in
+  its training (recorded in the checkpoint's config).
 - `rollplex-trl make-toy-data`: writes a toy text or image dataset (files `datasets.load_dataset` reads).
 - `rollplex-trl grpo`: TRL's `trl grpo` with `RollplexGRPOTrainer` (`rollplex_trl.grpo_script`): the same arguments,
   `--config recipe.yaml` (examples/recipes/), every `rollplex_*` field; started through `accelerate launch`.
@@ -54,6 +56,20 @@ def _make_toy_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ask(args: argparse.Namespace) -> int:
+    from rollplex_trl.inference import ask_checkpoint
+
+    overrides = dict(fps=args.fps, min_frames=args.min_frames, max_frames=args.max_frames,
+                     min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+    answer, sampling, changed = ask_checkpoint(args.checkpoint, args.video, args.question,
+                                               max_new_tokens=args.max_new_tokens, **overrides)
+    if changed:
+        logger.warning("frame sampling differs from the checkpoint's training: %s (the answer may differ from what "
+                       "the model saw in training)", ", ".join(f"{k}={v}" for k, v in changed.items()))
+    print(answer)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollplex-trl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,6 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     toy.add_argument("--num-samples", type=int, default=64)
     toy.add_argument("--seed", type=int, default=0)
     toy.set_defaults(func=_make_toy_data)
+
+    ask = sub.add_parser("ask", help="ask a trained checkpoint about a video, frames sampled as in its training")
+    ask.add_argument("--checkpoint", required=True, help="a checkpoint or final model folder the trainer saved")
+    ask.add_argument("--video", required=True, help="the video file")
+    ask.add_argument("question", help="the question (the video goes before it, as in training)")
+    ask.add_argument("--max-new-tokens", type=int, default=128)
+    for name, kind in (("fps", float), ("min-frames", int), ("max-frames", int), ("min-pixels", int),
+                       ("max-pixels", int)):
+        ask.add_argument(f"--{name}", type=kind, default=None,
+                         help="override the checkpoint's recorded frame sampling (logged when it differs)")
+    ask.set_defaults(func=_ask)
 
     # listed here for --help only: main() hands `grpo`'s arguments to the TRL parser untouched (see main)
     sub.add_parser("grpo", add_help=False,

@@ -37,6 +37,43 @@ def sampling_from_config(config: Any) -> VideoSamplingConfig:
         max_pixels=options["rollplex_video_max_pixels"])
 
 
+def sampling_from_checkpoint(checkpoint: str | os.PathLike[str]) -> VideoSamplingConfig | None:
+    """The frame sampling a checkpoint was trained with (`RollplexGRPOTrainer` records it in the model's config,
+    key `rollplex_video_sampling`, on video runs), or None if it has none (not trained on video by this package)."""
+    import json
+    from dataclasses import fields
+
+    from rollplex_trl.trainers.media import SAMPLING_CONFIG_KEY
+
+    config_file = os.path.join(os.fspath(checkpoint), "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"{config_file}: no such file; is {os.fspath(checkpoint)} a model checkpoint folder?")
+    with open(config_file) as f:
+        recorded = json.load(f).get(SAMPLING_CONFIG_KEY)
+    if not recorded:
+        return None
+    known = {f.name for f in fields(VideoSamplingConfig)}
+    return VideoSamplingConfig(**{k: v for k, v in recorded.items() if k in known})
+
+
+def ask_checkpoint(checkpoint: str | os.PathLike[str], video_path: str | os.PathLike[str], question: str, *,
+                   max_new_tokens: int = 128, **overrides: Any) -> tuple[str, VideoSamplingConfig, dict[str, Any]]:
+    """Load a checkpoint (model and processor) and ask it about a video with the frame sampling it was trained with
+    (`sampling_from_checkpoint`; the defaults if it recorded none). `overrides` (fps, min_frames, max_frames,
+    min_pixels, max_pixels; None = keep) replace single fields. Returns (answer, the sampling used, the overrides
+    that differ from the recorded sampling)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    recorded = sampling_from_checkpoint(checkpoint)
+    base = recorded or VideoSamplingConfig()
+    changed = {k: v for k, v in overrides.items() if v is not None and getattr(base, k) != v}
+    sampling = replace(base, **changed)
+    model = AutoModelForImageTextToText.from_pretrained(os.fspath(checkpoint)).eval()
+    processor = AutoProcessor.from_pretrained(os.fspath(checkpoint))
+    answer = ask_about_video(model, processor, video_path, question, sampling=sampling, max_new_tokens=max_new_tokens)
+    return answer, sampling, changed
+
+
 def _messages(question: str | Messages) -> Messages:
     """A plain question becomes one user turn with the video before the text (Video-R1's prompt layout); a message
     list (e.g. ``rollplex_trl.data.build_prompt(row)``, the exact training prompt) is used as given."""

@@ -99,3 +99,46 @@ def test_missing_video_is_a_named_error(vl, tmp_path):
     missing = tmp_path / "nope.mp4"
     with pytest.raises(RollplexDataError, match=r"nope\.mp4.*file not found"):
         ask_about_video(model, processor, missing, "What is in the video?")
+
+
+def test_ask_a_saved_checkpoint_with_its_training_sampling(tiny_vl_path, clips, tmp_path, capsys, caplog):
+    """A video run records its frame sampling in the saved model's config; `rollplex-trl ask` reads it, so the
+    question's frames are the training's (non-default bounds here), and an override is used and logged."""
+    import logging
+
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
+    from rollplex_trl.cli import main as cli_main
+    from rollplex_trl.inference import sampling_from_checkpoint
+
+    args = RollplexGRPOConfig(output_dir=str(tmp_path / "run"), report_to=[], use_cpu=True, bf16=False, max_steps=1,
+                              per_device_train_batch_size=2, num_generations=2, max_completion_length=4,
+                              save_strategy="no", rollplex_video_max_frames=4, rollplex_video_min_pixels=3136,
+                              rollplex_video_max_pixels=3136)
+    trainer = RollplexGRPOTrainer(model=str(tiny_vl_path), reward_funcs=lambda completions, **k: [0.0] * len(
+        completions), args=args, train_dataset=clips)
+    trainer.train()
+    final = tmp_path / "final"
+    trainer.save_model(str(final))
+    capsys.readouterr()  # the training's own output
+    recorded = sampling_from_checkpoint(final)
+    assert recorded == sampling_from_config(args)
+    assert sampling_from_checkpoint(tiny_vl_path) is None  # never trained here: nothing recorded
+
+    model = AutoModelForImageTextToText.from_pretrained(str(final)).eval()
+    processor = AutoProcessor.from_pretrained(str(final))
+    video = clips[0]["video"]
+    expected = ask_about_video(model, processor, video, "What moves?", sampling=recorded, max_new_tokens=4)
+    default = video_question_inputs(processor, video, "What moves?")
+    trained = video_question_inputs(processor, video, "What moves?", sampling=recorded)
+    assert not torch.equal(default["video_grid_thw"], trained["video_grid_thw"]) or not torch.equal(
+        default["pixel_values_videos"], trained["pixel_values_videos"]), "the test needs non-default sampling"
+
+    assert cli_main(["ask", "--checkpoint", str(final), "--video", video, "--max-new-tokens", "4",
+                     "What moves?"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+    with caplog.at_level(logging.WARNING, logger="rollplex_trl"):
+        assert cli_main(["ask", "--checkpoint", str(final), "--video", video, "--max-new-tokens", "4",
+                         "--max-frames", "8", "--min-frames", "8", "What moves?"]) == 0
+    assert "max_frames=8" in caplog.text and "differs from the checkpoint's training" in caplog.text

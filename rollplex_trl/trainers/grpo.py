@@ -51,7 +51,7 @@ from rollplex_trl.trainers.checkpoint import (
     resolve_resume_argument,
 )
 from rollplex_trl.trainers.context import BatchContext
-from rollplex_trl.trainers.media import DatasetPreparation, media_options, suppress_video_token
+from rollplex_trl.trainers.media import DatasetPreparation, media_options, setup_video_training
 from rollplex_trl.trainers.memory import PhaseMemory, setup_memory_ledger, vllm_sleep_for_memory
 from rollplex_trl.trainers.rewards import reject_non_finite_rewards
 from rollplex_trl.trainers.rollout import TrainerRollout
@@ -119,7 +119,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
             is_vlm=trl_compat.is_vlm(self), prepare_images=self.support.prepare_images, framed=self.use_vllm,
             custom_rollout=bool(self.tools) or self.environment_factories is not None or self.rollout_func is not None)
         if self._wrap_datasets():
-            suppress_video_token(self)
+            setup_video_training(self)
         self.memory_ledger = setup_memory_ledger(self) if self.rollplex["rollplex_memory_ledger"] else None
         self.phase_memory = PhaseMemory.build(self)  # rollplex_memory (trainers/memory.py); None when off
         self.reward_funcs = [reject_non_finite_rewards(f, name)

@@ -100,6 +100,26 @@ class DatasetPreparation:
         return cls(dataset, self.processor, self.options)
 
 
+def setup_video_training(trainer: Any) -> None:
+    """What a run on video datasets sets up once: the video placeholder suppressed in sampling, and the frame
+    sampling recorded in the model's config (so every checkpoint and the final model carry it; `rollplex-trl ask`
+    samples frames the way training did)."""
+    suppress_video_token(trainer)
+    record_video_sampling(trainer)
+
+
+# the model config attribute holding the training's frame sampling (rollplex_trl.inference reads it)
+SAMPLING_CONFIG_KEY = "rollplex_video_sampling"
+
+
+def record_video_sampling(trainer: Any) -> None:
+    import dataclasses
+
+    config = getattr(trainer.accelerator.unwrap_model(trainer.model), "config", None)
+    if config is not None:
+        setattr(config, SAMPLING_CONFIG_KEY, dataclasses.asdict(trainer.media.options.sampling))
+
+
 def suppress_video_token(trainer: Any) -> None:
     """TRL suppresses the image placeholder in sampling ("a sampled image token would mismatch the image
     features"); a sampled video placeholder would do the same to the video features. Only for video datasets:
