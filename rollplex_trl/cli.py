@@ -7,6 +7,8 @@
 - `rollplex-trl make-synthetic`: writes the synthetic video task in Video-R1 format.
 - `rollplex-trl ask --checkpoint DIR --video FILE "question"`: a trained checkpoint's answer, frames sampled as in
   its training (recorded in the checkpoint's config).
+- `rollplex-trl check-data --annotations FILE --model DIR`: every row through the training's data path; a report
+  of bad rows and of frames, pixels and tokens per row.
 - `rollplex-trl make-toy-data`: writes a toy text or image dataset (files `datasets.load_dataset` reads).
 - `rollplex-trl grpo`: TRL's `trl grpo` with `RollplexGRPOTrainer` (`rollplex_trl.grpo_script`): the same arguments,
   `--config recipe.yaml` (examples/recipes/), every `rollplex_*` field; started through `accelerate launch`.
@@ -70,6 +72,25 @@ def _ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_data(args: argparse.Namespace) -> int:
+    import json
+
+    from rollplex_trl.data.check import check_data, format_report
+    from rollplex_trl.data.video import VideoSamplingConfig
+
+    sampling = VideoSamplingConfig(fps=args.fps, min_frames=args.min_frames, max_frames=args.max_frames,
+                                   min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+    report = check_data(args.annotations, args.model, data_root=args.data_root, sampling=sampling,
+                        max_prompt_length=args.max_prompt_length, workers=args.workers, limit=args.limit,
+                        progress=True)
+    print(format_report(report))
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump(report.to_json(), f, indent=2, default=str)
+        print(f"report: {args.report}")
+    return 1 if report.bad else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollplex-trl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,6 +132,28 @@ def build_parser() -> argparse.ArgumentParser:
         ask.add_argument(f"--{name}", type=kind, default=None,
                          help="override the checkpoint's recorded frame sampling (logged when it differs)")
     ask.set_defaults(func=_ask)
+
+    from rollplex_trl.data.video import VideoSamplingConfig
+
+    defaults = VideoSamplingConfig()
+    check = sub.add_parser("check-data", help="every row of a Video-R1-format file through the training's data path",
+                           description="Decode every row's media with the training's frame sampling and build its "
+                           "prompt with the model's processor (as training does), in parallel; report bad rows, "
+                           "frames/pixels/tokens per row and prompts over --max-prompt-length. Exit code 1 if a row "
+                           "is bad.")
+    check.add_argument("--annotations", required=True, help="Video-R1-format JSON / JSONL file")
+    check.add_argument("--model", required=True, help="the checkpoint whose processor training uses")
+    check.add_argument("--data-root", default=None, help="folder `./...` paths resolve against (default: the file's)")
+    check.add_argument("--workers", type=int, default=1)
+    check.add_argument("--limit", type=int, default=None, help="check the first N rows only")
+    check.add_argument("--max-prompt-length", type=int, default=None, help="count prompts over this many tokens")
+    check.add_argument("--report", default=None, help="write the per-row report as JSON here")
+    check.add_argument("--fps", type=float, default=defaults.fps, help="as rollplex_video_fps")
+    check.add_argument("--min-frames", type=int, default=defaults.min_frames, help="as rollplex_video_min_frames")
+    check.add_argument("--max-frames", type=int, default=defaults.max_frames, help="as rollplex_video_max_frames")
+    check.add_argument("--min-pixels", type=int, default=defaults.min_pixels, help="as rollplex_video_min_pixels")
+    check.add_argument("--max-pixels", type=int, default=defaults.max_pixels, help="as rollplex_video_max_pixels")
+    check.set_defaults(func=_check_data)
 
     # listed here for --help only: main() hands `grpo`'s arguments to the TRL parser untouched (see main)
     sub.add_parser("grpo", add_help=False,

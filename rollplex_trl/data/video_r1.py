@@ -267,6 +267,21 @@ def _validate_row(raw: Any, data_root: str, check_files: bool, allow_outside_roo
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def validate_rows(raw_rows: list[Any], data_root: str | os.PathLike[str], *, check_files: bool = True,
+                  allow_paths_outside_root: bool = False) -> tuple[list[tuple[int, dict[str, Any]]],
+                                                                    list[tuple[int, str]]]:
+    """Each annotation row checked as the loader checks it: ((index, training row) for the valid ones,
+    (index, reason) for the others)."""
+    root = os.path.abspath(data_root)
+    valid, invalid = [], []
+    for index, raw in enumerate(raw_rows):
+        try:
+            valid.append((index, _validate_row(raw, root, check_files, allow_paths_outside_root)))
+        except _InvalidRow as error:
+            invalid.append((index, error.reason))
+    return valid, invalid
+
+
 @dataclass
 class LoadReport:
     """What :func:`load_video_r1_with_report` kept and dropped.
