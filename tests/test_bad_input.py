@@ -37,7 +37,8 @@ def _trainer(path, rows, config, func=reward):
 def test_missing_video_names_sample_and_file(tiny_vl_path, tmp_path):
     good = write_mp4(tmp_path / "good.mp4", 8, 56, 56)
     missing = tmp_path / "nowhere" / "gone.mp4"
-    trainer = _trainer(tiny_vl_path, [_row(501, missing), _row(502, good)], _config(tmp_path))
+    trainer = _trainer(tiny_vl_path, [_row(501, missing), _row(502, good)], _config(tmp_path,
+                       rollplex_check_rows=0))  # the lazy path: found at the first read
     with pytest.raises(RollplexDataError) as info:
         trainer.train()
     assert "501" in str(info.value) and str(missing) in str(info.value)
@@ -47,7 +48,8 @@ def test_undecodable_video_names_sample_and_file(tiny_vl_path, tmp_path):
     corrupt = tmp_path / "corrupt.mp4"
     corrupt.write_bytes(b"\x00\x01 this is not a video " * 100)
     good = write_mp4(tmp_path / "good.mp4", 8, 56, 56)
-    trainer = _trainer(tiny_vl_path, [_row(601, corrupt), _row(602, good)], _config(tmp_path))
+    trainer = _trainer(tiny_vl_path, [_row(601, corrupt), _row(602, good)], _config(tmp_path,
+                       rollplex_check_rows=0))  # the lazy path: found at the first read
     with pytest.raises(RollplexDataError) as info:
         trainer.train()
     assert "601" in str(info.value) and "corrupt.mp4" in str(info.value)
@@ -96,7 +98,8 @@ def _truncated_faststart_mp4(path, num_frames=40):
 def test_truncated_video_is_an_error_naming_sample_and_file(tiny_vl_path, tmp_path):
     cut = _truncated_faststart_mp4(tmp_path / "cut.mp4")
     good = write_mp4(tmp_path / "good.mp4", 8, 56, 56)
-    trainer = _trainer(tiny_vl_path, [_row(1001, cut), _row(1002, good)], _config(tmp_path))
+    trainer = _trainer(tiny_vl_path, [_row(1001, cut), _row(1002, good)], _config(tmp_path,
+                       rollplex_check_rows=0))  # the lazy path: found at the first read
     with pytest.raises(RollplexDataError) as info:
         trainer.train_dataset[0]
     message = str(info.value)
@@ -205,3 +208,22 @@ def test_plain_string_prompt_with_media_is_refused_before_the_model_loads(tmp_pa
     with pytest.raises(ValueError, match=r"problem_id=7 \(row 0\) has a 'video' but its prompt is a plain string"):
         RollplexGRPOTrainer(model=str(tmp_path / "no-such-model"), reward_funcs=lambda completions, **k: [0.0],
                             args=args, train_dataset=dataset)
+
+
+@pytest.mark.parametrize("kind", ["missing", "corrupt"])
+def test_bad_media_in_the_first_rows_is_refused_before_the_model_loads(tmp_path, kind):
+    """rollplex_check_rows (default 4) opens the first rows' files at construction, before any model loads (the
+    model path does not exist: reaching it would be another error). A file truncated after an intact header is
+    found when training decodes it (test_truncated_video_is_an_error_naming_sample_and_file)."""
+    good = write_mp4(tmp_path / "good.mp4", 8, 56, 56)
+    bad = tmp_path / "nowhere" / "gone.mp4" if kind == "missing" else tmp_path / "c.mp4"
+    if kind == "corrupt":
+        bad.write_bytes(b"\x00 not a video " * 100)
+    rows = [_row(901, good), _row(902, bad)]
+    with pytest.raises(RollplexDataError, match=r"problem_id=902 \(row 1\)") as info:
+        _trainer(tmp_path / "no-such-model", rows, _config(tmp_path))
+    assert str(bad) in str(info.value)
+    # off, or the bad row past the first N: nothing is read at construction (the model path is then the error)
+    for config in (_config(tmp_path, rollplex_check_rows=0), _config(tmp_path, rollplex_check_rows=1)):
+        with pytest.raises(OSError):
+            _trainer(tmp_path / "no-such-model", rows, config)

@@ -30,7 +30,7 @@ import torch
 
 from rollplex_trl.data.errors import RollplexDataError, SampleLabel
 from rollplex_trl.data.prompt import content_key, prepare_prompt
-from rollplex_trl.data.video import SampledVideo, VideoSamplingConfig, frames_to_video, load_video
+from rollplex_trl.data.video import SampledVideo, VideoSamplingConfig, frames_to_video, load_video, probe_video
 
 logger = logging.getLogger(__name__)
 
@@ -82,17 +82,31 @@ def has_video_column(dataset: Any) -> bool:
     return has_column(dataset, VIDEO_COLUMNS)
 
 
+def _first_rows(dataset: Any, rows: int, *, streams: bool) -> list[dict] | None:
+    """The first `rows` rows of a map-style dataset (a `datasets.IterableDataset`'s through `take` if `streams`);
+    None for anything else (a plain torch IterableDataset, which TRL refuses itself)."""
+    import datasets
+    import torch.utils.data
+
+    if dataset is None:
+        return None
+    if isinstance(dataset, datasets.IterableDataset):  # (a torch IterableDataset subclass too)
+        return list(dataset.take(rows)) if streams else None
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return None
+    try:
+        first = [dataset[i] for i in range(min(rows, len(dataset)))]
+    except (TypeError, NotImplementedError, KeyError, IndexError):
+        return None
+    return first if all(isinstance(row, Mapping) for row in first) else None
+
+
 def check_prompt_format(dataset: Any, name: str, rows: int = 4) -> None:
     """Before any model loads: a row with a video or image but a plain-string prompt cannot carry the media (the
     chat template has nowhere to put it), and fails only at the first training step otherwise. Checks the first
     `rows` rows of a map-style dataset (or a stream's, through `take`)."""
-    if dataset is None or not has_column(dataset, (*VIDEO_COLUMNS, *IMAGE_COLUMNS)):
-        return
-    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
-        first = [dataset[i] for i in range(min(rows, len(dataset)))]
-    elif hasattr(dataset, "take"):
-        first = list(dataset.take(rows))
-    else:
+    first = _first_rows(dataset, rows, streams=True)
+    if not first:
         return
     for index, row in enumerate(first):
         media = [c for c in (*VIDEO_COLUMNS, *IMAGE_COLUMNS) if row.get(c) is not None]
@@ -103,6 +117,26 @@ def check_prompt_format(dataset: Any, name: str, rows: int = 4) -> None:
                 "[{'role': 'user', 'content': [{'type': 'video'}, {'type': 'text', 'text': 'What happens?'}]}] "
                 "(one {'type': 'video'} or {'type': 'image'} entry per item, where it belongs in the text; "
                 "docs/video-data.md).")
+
+
+def check_first_media(dataset: Any, name: str, sampling: VideoSamplingConfig, rows: int) -> None:
+    """Before any model loads: open the media files of the first `rows` rows (videos: container and stream
+    metadata, no frames decoded; images: loaded), so a missing or unreadable file raises `RollplexDataError` naming
+    the sample and the file now, not at the first training step. Files only: in-memory frames and images were
+    already loaded by the caller. Map-style datasets only: a stream's rows are read when training reads them."""
+    first = _first_rows(dataset, rows, streams=False) if rows > 0 else None
+    if not first:
+        return
+    from rollplex_trl.data.video_r1 import load_image
+
+    for index, row in enumerate(first):
+        label = _sample_id(row, index)
+        for value in _as_list(row, VIDEO_COLUMNS):
+            if isinstance(value, (str, os.PathLike)):
+                probe_video(str(value), sampling, sample_id=label)
+        for value in _as_list(row, IMAGE_COLUMNS):
+            if isinstance(value, (str, os.PathLike)):
+                load_image(str(value), sample_id=label)
 
 
 def _sample_id(row: dict, index: int) -> SampleLabel:

@@ -430,6 +430,29 @@ def load_video(
         ) from error
 
 
+def probe_video(path: str | os.PathLike[str], config: VideoSamplingConfig | None = None,
+                sample_id: object = None) -> None:
+    """Open a video file and read its stream's metadata without decoding frames: a missing file, an unreadable
+    container, no video stream or no frame rate raise the `RollplexDataError` `load_video` would raise. A file
+    truncated after an intact header passes (only decoding finds that)."""
+    config = config or VideoSamplingConfig()
+    path_str = os.fspath(path)
+    if path_str.startswith("file://"):
+        path_str = path_str[len("file://") :]
+    where = f"{describe_sample(sample_id)}, video {path_str!r}"
+    if not Path(path_str).is_file():
+        raise RollplexDataError(f"{where}: file not found; check the path / data root", skippable=True)
+    try:
+        _probe(path_str, config, where)
+    except RollplexDataError:
+        raise
+    except _DECODE_ERRORS as error:
+        raise RollplexDataError(
+            f"{where}: cannot decode the video ({type(error).__name__}: {error}); re-encode or replace the file",
+            skippable=True,
+        ) from error
+
+
 # How many of the frames a container declares may fail to decode before the file counts as truncated.
 _MISSING_FRAMES_TOLERANCE = 0.1  # a fraction of the declared count ...
 _MIN_MISSING_FRAMES_TOLERATED = 2  # ... but never fewer than this (short clips)

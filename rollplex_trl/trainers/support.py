@@ -13,7 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollplex_trl.data.prepared import check_prompt_format, has_video_column
+from rollplex_trl.config import rollplex_options
+from rollplex_trl.data.prepared import check_first_media, check_prompt_format, has_video_column
+from rollplex_trl.trainers.media import media_options
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +114,11 @@ def refuse_before_setup(arguments: dict[str, Any]) -> None:
     config = arguments.get("args")
     if config is None:
         return
+    options = rollplex_options(config)
+    if not options["rollplex_skip_invalid_samples"]:
+        sampling = media_options(options, None, None).sampling
+        for name, dataset in datasets.items():
+            check_first_media(dataset, name, sampling, options["rollplex_check_rows"])
     returned = (getattr(config, "generation_kwargs", None) or {}).get("num_return_sequences", 1) or 1
     if returned > 1:
         # GRPO draws num_generations completions per prompt itself; generate returning several per row would
