@@ -207,6 +207,32 @@ def _subtract_subsequence(items: list[str], subsequence: list[str]) -> list[str]
     return result
 
 
+def script_option_names() -> list[str]:
+    """Every `--name` of `rollplex-trl grpo`'s own options (the dataclasses TrlParser is built from)."""
+    from dataclasses import fields
+
+    from trl import DatasetMixtureConfig, ModelConfig
+
+    from rollplex_trl import RollplexGRPOConfig
+
+    names = {f"--{f.name}" for cls in (GRPOScriptArguments, RollplexGRPOConfig, ModelConfig, DatasetMixtureConfig)
+             for f in fields(cls)}
+    return sorted(names | {"--config", "--accelerate_config"})
+
+
+def unknown_option_message(flags: list[str]) -> str:
+    import difflib
+
+    known = script_option_names()
+    lines = []
+    for flag in flags:
+        close = difflib.get_close_matches(flag.replace("-", "_"), [k.replace("-", "_") for k in known], n=3)
+        hint = f"; did you mean {' or '.join('--' + c.lstrip('_') for c in close)}?" if close else ""
+        lines.append(f"rollplex-trl grpo: unknown option {flag} (neither a script option nor an `accelerate launch` "
+                     f"option){hint}")
+    return "\n".join(lines) + "\n`rollplex-trl grpo --help` lists the options."
+
+
 def launch(argv: Sequence[str]) -> int:
     """`rollplex-trl grpo ARGS`: split ARGS into the script's and `accelerate launch`'s, as `trl grpo` does, and
     start `accelerate launch [launcher args] -m rollplex_trl.grpo_script [script args]`.
@@ -223,6 +249,14 @@ def launch(argv: Sequence[str]) -> int:
         all_args, return_remaining_strings=True, separate_remaining_strings=True)
     launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
     script_args = _subtract_subsequence(all_args, cli_remaining)
+    # a flag neither parser knows (a typo) is named here, with a suggestion, instead of accelerate's full usage.
+    # argparse's `_actions` (stdlib, unchanged since Python 3.2) lists the launcher's option strings.
+    launcher_options = {o for action in launch_command_parser()._actions for o in action.option_strings}
+    flags = [a.split("=", 1)[0] for a in launch_args if a.startswith("--") and a.split("=", 1)[0] not in
+             launcher_options]
+    if flags:
+        print(unknown_option_message(flags), file=sys.stderr)
+        return 2
     try:
         launch_command(launch_command_parser().parse_args([*launch_args, "-m", SCRIPT_MODULE, *script_args]))
     except subprocess.CalledProcessError as error:  # the single-process launcher: the script failed (its traceback

@@ -150,6 +150,17 @@ def test_recipe_inputs_not_prepared_name_the_command_that_makes_them(tiny_vl_pat
     grpo_script.check_inputs_exist(script_args, model_args)
 
 
+def test_a_mistyped_option_is_named_with_a_suggestion(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollplex_trl.cli", "grpo", "--output_dir", str(tmp_path), "--use_cpu", "true",
+         "--bf16", "false", "--max_stpes", "3", "--rollplex_overlapp", "on", "--num_processes", "1"],
+        cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "unknown option --max_stpes" in proc.stderr and "did you mean --max_steps" in proc.stderr
+    assert "did you mean --rollplex_overlap " in proc.stderr
+    assert "usage:" not in proc.stderr  # not accelerate's 115 lines of usage
+
+
 def test_dataset_mixture_from_the_recipe(toy_text, tmp_path):
     """TRL's `datasets:` list in the YAML (DatasetMixtureConfig) is read as `trl grpo` reads it."""
     recipe = tmp_path / "mixture.yaml"
