@@ -233,6 +233,50 @@ def unknown_option_message(flags: list[str]) -> str:
     return "\n".join(lines) + "\n`rollplex-trl grpo --help` lists the options."
 
 
+# the TRL / transformers fields a first run sets; `--help-all` lists every option
+COMMON_OPTIONS = ("model_name_or_path", "output_dir", "max_steps", "num_generations", "per_device_train_batch_size",
+                  "max_completion_length", "learning_rate", "beta", "bf16", "use_cpu", "gradient_checkpointing",
+                  "save_steps", "resume_from_checkpoint", "report_to", "use_vllm", "vllm_mode")
+
+
+def short_help() -> str:
+    """`rollplex-trl grpo --help`: usage, the recipe and launcher options, the script's and Rollplex's own options
+    and the common TRL ones, each with its help; `--help-all` prints TRL's full listing (1,600 lines)."""
+    import textwrap
+    from dataclasses import MISSING, fields
+
+    from trl import ModelConfig
+
+    from rollplex_trl import RollplexGRPOConfig
+    from rollplex_trl.config import rollplex_field_names
+
+    def describe(f) -> list[str]:
+        default = "" if f.default is MISSING else f" (default: {f.default!r})"
+        text = (f.metadata.get("help") or "").strip() + default
+        return [f"  --{f.name}", *textwrap.wrap(text, 110, initial_indent=" " * 6, subsequent_indent=" " * 6)]
+
+    config_fields = {f.name: f for f in fields(RollplexGRPOConfig)} | {f.name: f for f in fields(ModelConfig)}
+    lines = ["usage: rollplex-trl grpo [--config RECIPE.yaml] [--accelerate_config NAME|PATH] [--OPTION VALUE ...]",
+             "", "TRL's `trl grpo` with RollplexGRPOTrainer, started through `accelerate launch` (its flags, e.g.",
+             "--num_processes, are passed on). Options come from the command line or the YAML recipe.", "",
+             "Recipe and launcher:",
+             "  --config FILE", "      a YAML recipe (examples/recipes/); command-line options override its keys",
+             "  --accelerate_config NAME|PATH",
+             "      an accelerate config (examples/accelerate/, or a name TRL ships: multi_gpu, zero2, ...)", "",
+             "Data and rewards:"]
+    for f in fields(GRPOScriptArguments):
+        lines += describe(f)
+    lines += ["", "Common training options (TRL / transformers):"]
+    for name in COMMON_OPTIONS:
+        lines += describe(config_fields[name])
+    lines += ["", "Rollplex options:"]
+    for name in rollplex_field_names():
+        lines += describe(config_fields[name])
+    lines += ["", "Every option (all of TRL's GRPOConfig, transformers' TrainingArguments, ModelConfig): "
+              "rollplex-trl grpo --help-all"]
+    return "\n".join(lines)
+
+
 def launch(argv: Sequence[str]) -> int:
     """`rollplex-trl grpo ARGS`: split ARGS into the script's and `accelerate launch`'s, as `trl grpo` does, and
     start `accelerate launch [launcher args] -m rollplex_trl.grpo_script [script args]`.
@@ -244,7 +288,12 @@ def launch(argv: Sequence[str]) -> int:
     from rollplex_trl.trl_compat import resolve_accelerate_config_argument
 
     all_args = list(argv)
-    # -h/--help prints the script's options and exits; the unknown strings are the launcher's
+    if any(a in ("-h", "--help") for a in all_args):
+        print(short_help())
+        return 0
+    if "--help-all" in all_args:  # TRL's parser prints every option and exits
+        all_args = [a if a != "--help-all" else "--help" for a in all_args]
+    # the unknown strings are the launcher's
     *_, config_remaining, cli_remaining = make_parser(prog="rollplex-trl grpo").parse_args_and_config(
         all_args, return_remaining_strings=True, separate_remaining_strings=True)
     launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)

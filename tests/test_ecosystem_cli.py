@@ -176,13 +176,20 @@ def test_cli_lists_grpo_and_its_help_lists_rollplex_fields(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["--help"])
     assert exit_info.value.code == 0 and "grpo" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as exit_info:
-        cli_main(["grpo", "--help"])
+    assert cli_main(["grpo", "--help"]) == 0  # the short listing: usage first, then the options a run needs
     text = capsys.readouterr().out
-    assert exit_info.value.code == 0
-    for option in ("--rollplex_share_prefix", "--rollplex_video_max_frames", "--reward_funcs", "--model_name_or_path",
-                   "--video_r1_annotations", "--dataset_name"):
+    assert text.startswith("usage: rollplex-trl grpo") and len(text.splitlines()) < 400
+    for option in ("--config", "--accelerate_config", "--rollplex_share_prefix", "--rollplex_video_max_frames",
+                   "--reward_funcs", "--model_name_or_path", "--video_r1_annotations", "--dataset_name",
+                   "--resume_from_checkpoint", "--help-all"):
         assert option in text, option
+    from rollplex_trl.config import rollplex_field_names
+
+    assert all(f"--{name}" in text for name in rollplex_field_names())
+    with pytest.raises(SystemExit) as exit_info:  # every option: TRL's parser
+        cli_main(["grpo", "--help-all"])
+    text = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "--adam_beta1" in text and "--rollplex_share_prefix" in text
 
 
 def test_make_toy_data_command(tmp_path, capsys):
