@@ -458,3 +458,11 @@ def decode_completions(trainer: Any, prompts: list, prompt_ids: list[list[int]],
         contents = trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
         return [[{"role": "assistant", "content": content}] for content in contents]
     return trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+
+
+def trl_per_token_logps(trainer: Any, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        logits_to_keep: int) -> torch.Tensor:
+    """TRL's own per-token log-prob pass (`GRPOTrainer._get_per_token_logps_and_entropies`, full sequences), not
+    the trainer's override: the exactness audit's plain reference for text rows (trainers/verify.py)."""
+    return trl.GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, input_ids, attention_mask,
+                                                              logits_to_keep)[0]

@@ -119,8 +119,7 @@ def audit_pass(trainer: Any, model: Any, logps: torch.Tensor, input_ids: torch.T
                logits_to_keep: int, vision_kwargs: dict, mechanisms: list[str]) -> None:
     """The trainer's side of an audit: which pass this is, and its plain recomputation (trainers/grpo.py calls it
     after each Rollplex log-prob pass; it returns at once when no audit is due)."""
-    from trl import GRPOTrainer
-
+    from rollplex_trl import trl_compat
     from rollplex_trl.prefix.batch import prepared_rows_logps
 
     audit: ExactnessAudit | None = trainer.audit
@@ -140,7 +139,7 @@ def audit_pass(trainer: Any, model: Any, logps: torch.Tensor, input_ids: torch.T
             return prepared_rows_logps(plain_model, rows[:n], ids, mask, logits_to_keep, None, False, False,
                                        trainer.accelerator.autocast)[0]
         with trainer.accelerator.autocast():  # text: TRL's own pass
-            return GRPOTrainer._get_per_token_logps_and_entropies(trainer, plain_model, ids, mask, logits_to_keep)[0]
+            return trl_compat.trl_per_token_logps(trainer, plain_model, ids, mask, logits_to_keep)
 
     audit.check(step=step, kind=kind, used=logps, mask=attention_mask[:, -logits_to_keep:], plain=plain,
                 mechanisms=mechanisms, record=trainer._record)
