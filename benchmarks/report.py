@@ -209,6 +209,16 @@ def render_temporal(data: dict) -> str:
     return columns(spec, rows)
 
 
+def render_verify(data: dict) -> str:
+    t = data["table"]
+    spec = [("step off (s)", lambda r: num(r["off_step_s"])),
+            ("step audited (s)", lambda r: num(r["audited_step_s"])),
+            ("audited / off", lambda r: f"**{ratio(r['audited_over_off'])}**"),
+            ("audit (s)", lambda r: num(r["audit_s"])),
+            ("amortised over 200 steps", lambda r: f"{100 * r['amortised_fraction_at_200']:.3f}%")]
+    return columns(spec, [t])
+
+
 def render_overlap(data: dict) -> str:
     modes = [{"mode": name, **mode} for name, mode in data["modes"].items()]
     spec = [("mode", lambda r: r["mode"]), ("step (s)", lambda r: num(r.get("step_s"))),
@@ -357,6 +367,12 @@ SECTIONS = [
      "on the synthetic video task, runs alternating; run `OMP_NUM_THREADS=2 .venv/bin/python "
      "benchmarks/bench_temporal.py [--size 224] [--frames 16] [--repeats 3] --out benchmarks/results/temporal.json`.",
      [("temporal*.json", render_temporal, None)]),
+    ("## Exactness audit (`benchmarks/bench_verify.py`)",
+     "Runs without the audit against runs auditing every step (the first ref, policy and actor pass recomputed for "
+     "one group with a plain full forward), alternating on the synthetic video task; the audit's cost per audited "
+     "step and amortised over the default interval of 200 steps; run `OMP_NUM_THREADS=2 .venv/bin/python "
+     "benchmarks/bench_verify.py [--repeats 3] --out benchmarks/results/verify.json`.",
+     [("verify*.json", render_verify, None)]),
     ("## Memory (`benchmarks/bench_memory.py`)",
      "`rollplex_memory` off against on (and `--offload`: activations parked in host memory) in fresh processes, "
      "alternating: peak memory per phase, the step time and the registered bytes against the planner's; run "

@@ -9,7 +9,7 @@ from datasets import Dataset
 
 import rollplex_trl.prefix.batch as prefix_batch
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
-from rollplex_trl.trainers.verify import TOLERANCE, audit_spec
+from rollplex_trl.trainers.verify import GRAD_TOLERANCE, TOLERANCE, audit_spec
 
 from helpers import video_rows
 
@@ -52,6 +52,11 @@ def test_audit_within_tolerance_on_video(tiny_vl_path, tmp_path, video_dataset, 
     print("largest audited |Δ log-prob|:", worst)  # pytest -s
     assert worst <= tolerance
     assert worst > 0 or not defaults, "bf16 paths that agree bitwise would mean the audit compared a pass to itself"
+    grads = [(r["rollplex/verify_actor_grad_cos"], r["rollplex/verify_actor_grad_rel"]) for r in logs
+             if "rollplex/verify_actor_grad_cos" in r]
+    print("actor gradient (cosine, relative norm difference):", grads)
+    min_cos, max_rel = GRAD_TOLERANCE["bf16" if defaults else "fp32"]
+    assert grads and all(cos >= min_cos and rel <= max_rel for cos, rel in grads)
     assert "EXCEEDED" not in caplog.text and "rollplex audit step 0" in caplog.text
 
 
@@ -91,6 +96,9 @@ def test_audit_catches_a_perturbed_prefix(tiny_vl_path, tmp_path, video_dataset,
         _, logs = _train(tiny_vl_path, video_dataset, tmp_path, "broken", max_steps=1)
     assert logs[0]["rollplex/verify_ref_logp_abs"] > TOLERANCE["fp32"]
     assert "the ref log-probs differ" in caplog.text and "shared prefix" in caplog.text
+    min_cos, max_rel = GRAD_TOLERANCE["fp32"]
+    assert logs[0]["rollplex/verify_actor_grad_cos"] < min_cos or logs[0]["rollplex/verify_actor_grad_rel"] > max_rel
+    assert "the actor's gradient through the shared prefix differs" in caplog.text
 
 
 def test_strict_audit_raises(tiny_vl_path, tmp_path, video_dataset, monkeypatch):
