@@ -413,7 +413,9 @@ class RollplexGRPOConfig(GRPOConfig):
     rollplex_verify_rows: int | None = _option(
         rule=_Rule("optional_int", "an integer >= 1 or None", lambda v: v is None or v >= 1),
         default=None,
-        metadata={"help": "Rows each audited pass recomputes. None: num_generations (one group)."},
+        metadata={"help": "Rows each audited pass recomputes (the first rows of the batch: completions of one "
+                  "prompt). None: 2, the fewest that exercise sharing one prefix; the plain recomputation pays the "
+                  "prompt (video) once per row, so a whole group costs G/2 times as much."},
     )
     rollplex_verify_strict: bool = _option(
         rule=_Rule("bool", "true or false"),

@@ -110,7 +110,8 @@ def test_strict_audit_raises(tiny_vl_path, tmp_path, video_dataset, monkeypatch)
 def test_audit_spec_defaults_and_refusals():
     options = dict(rollplex_verify_every=None, rollplex_verify_rows=None, rollplex_verify_strict=False)
     spec = audit_spec(options, num_generations=8, backend="hf")
-    assert (spec.every, spec.rows) == (200, 8) and spec.due(0) and spec.due(400) and not spec.due(1)
+    assert (spec.every, spec.rows) == (200, 2) and spec.due(0) and spec.due(400) and not spec.due(1)
+    assert audit_spec({**options, "rollplex_verify_rows": 8}, num_generations=8, backend="hf").rows == 8
     assert audit_spec(options, num_generations=8, backend="megatron").every == 0  # auto: off, logged
     assert audit_spec({**options, "rollplex_verify_every": 0}, num_generations=8, backend="hf").every == 0
     with pytest.raises(NotImplementedError, match="rollplex_verify_every=5"):
