@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU check for one H200 (the device tool's machine): the shared prefix and the overlap with transformers generate
-# and a CUDA side stream, on a Qwen2.5-VL-3B-sized model with random weights. Prints the same tables as on CPU.
+# GPU check for one H200 (the device tool's machine): first the exactness audit (two audited GRPO steps), then the
+# shared prefix and the overlap with transformers generate and a CUDA side stream, the Megatron backend and the
+# phase-aware memory, on a Qwen2.5-VL-3B-sized model with random weights. Prints the same tables as on CPU.
 #
 # That machine has Python 3.12, torch 2.11 (CUDA), transformers 5.17, accelerate, peft, pandas and pyarrow, but no
 # trl, datasets or PyAV, and cannot download. Fetch their wheels here first (into .whl/, kept out of git):
@@ -11,7 +12,7 @@
 # /tmp/rollplex-gpu. The model checkpoint is built in /tmp/rollplex-cache (7 GB: it must not land in $OUT).
 # The device lends 15 minutes per task, start included: the checks below are capped at ~9 minutes together.
 # Rehearsal on CPU: `ROLLPLEX_GPU_REHEARSAL=1 PYTHON=.venv/bin/python bash benchmarks/gpu_h200.sh` from a checkout
-# without .whl/ runs the tiny preset and a few steps (last rehearsed 2026-12-04, 1 min 53 s, all four checks).
+# without .whl/ runs the tiny preset and a few steps (last rehearsed 2026-12-05, 1 min 21 s, all five checks).
 # Never run on a GPU yet: no machine was lent when one was asked for.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,8 +41,8 @@ else
   preset=3b; shared_args=(--steps 3 --repeats 2); overlap_args=(--steps 4); memory_args=(--steps 3 --repeats 1)
 fi
 # Seconds per check; together they stay inside one device call (timeout_s 570).
-t_build=${T_BUILD:-100} t_shared=${T_SHARED:-110} t_overlap=${T_OVERLAP:-90} t_megatron=${T_MEGATRON:-110}
-t_memory=${T_MEMORY:-120}
+t_build=${T_BUILD:-100} t_audit=${T_AUDIT:-60} t_shared=${T_SHARED:-95} t_overlap=${T_OVERLAP:-85}
+t_megatron=${T_MEGATRON:-100} t_memory=${T_MEMORY:-100}
 stamp() { echo "[$(date +%T)] $*"; }
 stamp "building the $preset checkpoint"
 # Random initialisation of ~3.5 B parameters takes minutes on the CPU and seconds on the GPU: build it there.
@@ -51,6 +52,11 @@ if torch.cuda.is_available():
     torch.set_default_device('cuda')
 from bench_common import quiet_checkpoint
 print(quiet_checkpoint('$preset'))" || { echo "checkpoint build failed or timed out"; exit 1; }
+# Exactness first: two audited GRPO steps under TRL's defaults (every mechanism at its default) say whether the
+# speed-ups changed any log-prob or the actor's gradient on this hardware (trainers/verify.py).
+stamp "exactness audit"
+timeout -k 5 "$t_audit" "$PY" benchmarks/gpu_audit.py --preset "$preset" --out "$OUT/audit_h200.json" 2>&1 \
+    | tee -a "$OUT/bench_full.log" | tail -n 4 || echo "audit failed (see the log)"
 stamp "shared prefix"
 timeout -k 5 "$t_shared" "$PY" benchmarks/bench_shared_prefix.py --preset "$preset" --quick "${shared_args[@]}" \
     --out "$OUT/shared_prefix_h200.json" 2>&1 | tee -a "$OUT/bench_full.log" | tail -n 12 || echo "shared-prefix check failed (see the log)"
