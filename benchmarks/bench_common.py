@@ -31,6 +31,15 @@ def quiet_checkpoint(preset: str) -> Path:
     return get_checkpoint("qwen2_5_vl", preset)
 
 
+def synthetic_video_dataset(folder: Path, num_samples: int, frames: int, size: int):
+    """The synthetic video task (real MP4s, Video-R1 format) as a training dataset: `num_samples` clips of `frames`
+    frames of size x size pixels at 2 fps."""
+    from rollplex_trl.data import SyntheticVideoConfig, load_video_r1, write_synthetic_video_dataset
+
+    return load_video_r1(write_synthetic_video_dataset(folder, SyntheticVideoConfig(
+        num_samples=num_samples, seed=0, num_frames=frames, height=size, width=size, fps=2)))
+
+
 def wall_step_clock():
     """A TrainerCallback recording each optimizer step's wall-clock seconds end to end: rollout, scoring, backward,
     the actor prefix's backward, clipping, the optimizer step, the weight sync and the callbacks (the time between

@@ -25,18 +25,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_common import quiet_checkpoint, run_meta, wall_step_clock
+from bench_common import quiet_checkpoint, run_meta, synthetic_video_dataset, wall_step_clock
 
 CONFIGS = ("GRPO", "T-GRPO naive", "T-GRPO")
-
-
-def _dataset(tmp: Path, args):
-    from rollplex_trl.data import SyntheticVideoConfig, load_video_r1, write_synthetic_video_dataset
-
-    annotations = write_synthetic_video_dataset(
-        tmp / "data", SyntheticVideoConfig(num_samples=args.prompts * args.steps, seed=0, num_frames=args.frames,
-                                           height=args.size, width=args.size, fps=2))
-    return load_video_r1(annotations)
 
 
 def _run(name: str, model_path: Path, dataset, tmp: Path, args, index: int) -> dict:
@@ -80,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     model_path = quiet_checkpoint(args.preset)
     tmp = Path(tempfile.mkdtemp(prefix="rollplex-bench-temporal-"))
-    dataset = _dataset(tmp, args)
+    dataset = synthetic_video_dataset(tmp / "data", args.prompts * args.steps, args.frames, args.size)
     runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
     for index in range(args.repeats):
         for name in CONFIGS:

@@ -19,18 +19,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_common import quiet_checkpoint, run_meta, wall_step_clock
+from bench_common import quiet_checkpoint, run_meta, synthetic_video_dataset, wall_step_clock
 
 AUTO_EVERY = 200
-
-
-def _dataset(tmp: Path, args):
-    from rollplex_trl.data import SyntheticVideoConfig, load_video_r1, write_synthetic_video_dataset
-
-    annotations = write_synthetic_video_dataset(
-        tmp / "data", SyntheticVideoConfig(num_samples=args.prompts * args.steps, seed=0, num_frames=args.frames,
-                                           height=args.size, width=args.size, fps=2))
-    return load_video_r1(annotations)
 
 
 def _run(every: int, model_path: Path, dataset, tmp: Path, args, index: int) -> float:
@@ -69,7 +60,7 @@ def main() -> None:
     args = parser.parse_args()
     model_path = quiet_checkpoint(args.preset)
     tmp = Path(tempfile.mkdtemp(prefix="rollplex-bench-verify-"))
-    dataset = _dataset(tmp, args)
+    dataset = synthetic_video_dataset(tmp / "data", args.prompts * args.steps, args.frames, args.size)
     runs: dict[str, list[float]] = {"off": [], "every step": []}
     for index in range(args.repeats):
         for name, every in (("off", 0), ("every step", 1)):

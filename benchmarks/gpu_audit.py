@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_common import quiet_checkpoint, run_meta
+from bench_common import quiet_checkpoint, run_meta, synthetic_video_dataset
 
 
 def main() -> None:
@@ -32,18 +32,11 @@ def main() -> None:
     model_path = quiet_checkpoint(args.preset)
 
     from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
-    from rollplex_trl.data import (
-        SyntheticVideoConfig,
-        accuracy_reward,
-        format_reward,
-        load_video_r1,
-        write_synthetic_video_dataset,
-    )
+    from rollplex_trl.data import accuracy_reward, format_reward
     from rollplex_trl.trainers.verify import GRAD_TOLERANCE, TOLERANCE, precision_of
 
     tmp = Path(tempfile.mkdtemp(prefix="rollplex-audit-"))
-    dataset = load_video_r1(write_synthetic_video_dataset(tmp / "data", SyntheticVideoConfig(
-        num_samples=2 * args.steps, num_frames=args.frames, height=args.size, width=args.size, fps=2)))
+    dataset = synthetic_video_dataset(tmp / "data", 2 * args.steps, args.frames, args.size)
     cuda = torch.cuda.is_available()
     bf16 = cuda and torch.cuda.is_bf16_supported()
     config = RollplexGRPOConfig(

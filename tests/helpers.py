@@ -171,3 +171,20 @@ def assert_is_a_drawn_chart(path: Path, min_size: tuple[int, int] = (300, 150)) 
     assert len(colours) >= 8, f"{path.name}: {len(colours)} colours, nothing drawn"
     background = np.all(pixels == pixels[0], axis=1).mean()
     assert background < 0.98, f"{path.name}: {background:.1%} of the pixels are the background"
+
+
+def run_two_processes(worker: Path, args: list[str], out: Path, pattern: str, port: int) -> list[dict]:
+    """Run `worker ARGS` as 2 processes under torchrun (gloo, 1 thread each) and return the JSON results they wrote
+    into `out` under `pattern` (one file per rank, in rank order); fails with both processes' output tails."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
+           str(worker), *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    results = [json.loads(p.read_text()) for p in sorted(out.glob(pattern))]
+    assert done.returncode == 0 and len(results) == 2, done.stdout[-3000:] + done.stderr[-6000:]
+    return results

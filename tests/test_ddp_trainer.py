@@ -5,24 +5,16 @@ The actor's prefix/suffix passes run on the unwrapped model, bypassing DDP's for
 gradients; the trainer averages them once per window. Without that, the processes' gradient norms differ and their
 weights drift apart (checked by hand when this was written: grad norms 3.17 vs 0.0 at the first step)."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import run_two_processes
+
 
 def _run(checkpoint, out: Path, share: str, port: int) -> list[dict]:
-    worker = Path(__file__).with_name("ddp_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
-           str(worker), str(checkpoint), str(out), share]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    results = [json.loads(p.read_text()) for p in sorted(out.glob(f"{share}-rank*.json"))]
-    assert done.returncode == 0 and len(results) == 2, done.stdout[-3000:] + done.stderr[-6000:]
-    return results
+    return run_two_processes(Path(__file__).with_name("ddp_worker.py"), [str(checkpoint), str(out), share], out,
+                             f"{share}-rank*.json", port)
 
 
 def test_shared_actor_prefix_under_ddp_learns_the_same(tiny_vl_path, tmp_path):

@@ -30,6 +30,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import av
 import numpy as np
@@ -412,7 +413,13 @@ def load_video(
     Raises:
         RollplexDataError: the file is missing, cannot be decoded, has no frames, or is too short to sample.
     """
-    config = config or VideoSamplingConfig()
+    return _read_video_file(path, config or VideoSamplingConfig(), sample_id, _load_video_checked)
+
+
+def _read_video_file(path: str | os.PathLike[str], config: VideoSamplingConfig, sample_id: object,
+                     read: Callable[[str, VideoSamplingConfig, str], Any]) -> Any:
+    """`read(path, config, where)` on a video file, with the errors every reader reports alike: a missing file, and
+    PyAV's decoding errors, as `RollplexDataError` naming the sample and the file."""
     path_str = os.fspath(path)
     if path_str.startswith("file://"):  # qwen-vl-utils accepts file:// URLs for local files
         path_str = path_str[len("file://") :]
@@ -420,7 +427,7 @@ def load_video(
     if not Path(path_str).is_file():
         raise RollplexDataError(f"{where}: file not found; check the path / data root", skippable=True)
     try:
-        return _load_video_checked(path_str, config, where)
+        return read(path_str, config, where)
     except RollplexDataError:
         raise
     except _DECODE_ERRORS as error:
@@ -435,22 +442,7 @@ def probe_video(path: str | os.PathLike[str], config: VideoSamplingConfig | None
     """Open a video file and read its stream's metadata without decoding frames: a missing file, an unreadable
     container, no video stream or no frame rate raise the `RollplexDataError` `load_video` would raise. A file
     truncated after an intact header passes (only decoding finds that)."""
-    config = config or VideoSamplingConfig()
-    path_str = os.fspath(path)
-    if path_str.startswith("file://"):
-        path_str = path_str[len("file://") :]
-    where = f"{describe_sample(sample_id)}, video {path_str!r}"
-    if not Path(path_str).is_file():
-        raise RollplexDataError(f"{where}: file not found; check the path / data root", skippable=True)
-    try:
-        _probe(path_str, config, where)
-    except RollplexDataError:
-        raise
-    except _DECODE_ERRORS as error:
-        raise RollplexDataError(
-            f"{where}: cannot decode the video ({type(error).__name__}: {error}); re-encode or replace the file",
-            skippable=True,
-        ) from error
+    _read_video_file(path, config or VideoSamplingConfig(), sample_id, _probe)
 
 
 # How many of the frames a container declares may fail to decode before the file counts as truncated.

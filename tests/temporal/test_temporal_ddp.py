@@ -3,27 +3,19 @@ holding a group's first row samples its shuffled copy, the others none; the bonu
 rule on the gathered ordered accuracies and the owner's shuffled ones; with α = 0 the run learns exactly as with the
 recipe off."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from test_temporal_trainer import video_r1_bonus
 
+from helpers import run_two_processes
+
 G, S = 4, 2
 
 
 def _run(checkpoint, out: Path, mode: str, port: int) -> list[dict]:
-    worker = Path(__file__).with_name("ddp_temporal_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
-           str(worker), str(checkpoint), str(out), mode]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    results = [json.loads(p.read_text()) for p in sorted(out.glob(f"{mode}-rank*.json"))]
-    assert done.returncode == 0 and len(results) == 2, done.stdout[-3000:] + done.stderr[-6000:]
-    return results
+    return run_two_processes(Path(__file__).with_name("ddp_temporal_worker.py"), [str(checkpoint), str(out), mode],
+                             out, f"{mode}-rank*.json", port)
 
 
 def test_temporal_with_groups_split_over_processes(tiny_vl_path, tmp_path):
