@@ -40,6 +40,23 @@ def synthetic_video_dataset(folder: Path, num_samples: int, frames: int, size: i
         num_samples=num_samples, seed=0, num_frames=frames, height=size, width=size, fps=2)))
 
 
+def write_video_result(out: str, args: argparse.Namespace, runs: dict, table: dict) -> Path:
+    """Write a video-workload benchmark's JSON (meta: where and what was measured; its runs; its table)."""
+    import json
+
+    import torch
+
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {**run_meta(), "preset": args.preset, "G": args.generations, "C": args.completion_length,
+            "prompts_per_step": args.prompts, "frames": args.frames, "size": args.size, "steps": args.steps,
+            "repeats": args.repeats, "precision": "bf16 autocast" if args.bf16 else "fp32",
+            "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+    path.write_text(json.dumps({"meta": meta, "runs": runs, "table": table}, indent=2))
+    return path
+
+
 def wall_step_clock():
     """A TrainerCallback recording each optimizer step's wall-clock seconds end to end: rollout, scoring, backward,
     the actor prefix's backward, clipping, the optimizer step, the weight sync and the callbacks (the time between

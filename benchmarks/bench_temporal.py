@@ -19,13 +19,12 @@ Usage:  OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_temporal.py [--prese
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
 import torch
-from bench_common import quiet_checkpoint, run_meta, synthetic_video_dataset, wall_step_clock
+from bench_common import quiet_checkpoint, synthetic_video_dataset, wall_step_clock, write_video_result
 
 CONFIGS = ("GRPO", "T-GRPO naive", "T-GRPO")
 
@@ -83,14 +82,7 @@ def main() -> None:
     table = {name: {"step_s": step[name], "vs_grpo": step[name] / step["GRPO"],
                     "shuffled_groups_per_step": runs[name][0]["shuffled_groups_per_step"]} for name in CONFIGS}
     table["T-GRPO"]["naive_over_ours"] = step["T-GRPO naive"] / step["T-GRPO"]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {**run_meta(), "preset": args.preset, "G": args.generations, "C": args.completion_length,
-            "prompts_per_step": args.prompts, "frames": args.frames, "size": args.size, "steps": args.steps,
-            "repeats": args.repeats, "precision": "bf16 autocast" if args.bf16 else "fp32",
-            "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
-    out.write_text(json.dumps({"meta": meta, "runs": runs, "table": table}, indent=2))
+    out = write_video_result(args.out, args, runs, table)
     print("\n| configuration | step (s) | step / GRPO's | shuffled groups per step |")
     print("|---|---|---|---|")
     for name, row in table.items():

@@ -13,13 +13,12 @@ Usage:  OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_verify.py [--preset 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
 import torch
-from bench_common import quiet_checkpoint, run_meta, synthetic_video_dataset, wall_step_clock
+from bench_common import quiet_checkpoint, synthetic_video_dataset, wall_step_clock, write_video_result
 
 AUTO_EVERY = 200
 
@@ -71,14 +70,7 @@ def main() -> None:
     audit_s = on - off
     table = {"off_step_s": off, "audited_step_s": on, "audited_over_off": on / off, "audit_s": audit_s,
              "amortised_fraction_at_200": audit_s / (AUTO_EVERY * off)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {**run_meta(), "preset": args.preset, "G": args.generations, "C": args.completion_length,
-            "prompts_per_step": args.prompts, "frames": args.frames, "size": args.size, "steps": args.steps,
-            "repeats": args.repeats, "precision": "bf16 autocast" if args.bf16 else "fp32",
-            "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
-    out.write_text(json.dumps({"meta": meta, "runs": runs, "table": table}, indent=2))
+    out = write_video_result(args.out, args, runs, table)
     print("\n| step off (s) | step audited (s) | audited / off | audit (s) | amortised over 200 steps |")
     print("|---|---|---|---|---|")
     amortised = 100 * table["amortised_fraction_at_200"]
