@@ -96,6 +96,7 @@ def test_audit_catches_a_perturbed_prefix(tiny_vl_path, tmp_path, video_dataset,
         _, logs = _train(tiny_vl_path, video_dataset, tmp_path, "broken", max_steps=1)
     assert logs[0]["rollplex/verify_ref_logp_abs"] > TOLERANCE["fp32"]
     assert "the ref log-probs differ" in caplog.text and "shared prefix" in caplog.text
+    assert "the shared prefix itself (rollplex_share_prefix='off'" in caplog.text  # every prefix is wrong here
     min_cos, max_rel = GRAD_TOLERANCE["fp32"]
     assert logs[0]["rollplex/verify_actor_grad_cos"] < min_cos or logs[0]["rollplex/verify_actor_grad_rel"] > max_rel
     assert "the actor's gradient through the shared prefix differs" in caplog.text
@@ -116,3 +117,35 @@ def test_audit_spec_defaults_and_refusals():
     assert audit_spec({**options, "rollplex_verify_every": 0}, num_generations=8, backend="hf").every == 0
     with pytest.raises(NotImplementedError, match="rollplex_verify_every=5"):
         audit_spec({**options, "rollplex_verify_every": 5}, num_generations=8, backend="megatron")
+
+
+def test_audit_names_a_broken_decode_window_prefix(tiny_vl_path, tmp_path, video_dataset, monkeypatch, caplog):
+    """Only the prefixes built ahead of the scoring passes (the decode window's jobs) are wrong: re-run without them
+    the pass agrees, and the report names them and the switch."""
+    take = prefix_batch.StepPrefixes.take_scoring
+
+    def broken(self, **kwargs):
+        pre = take(self, **kwargs)
+        if pre is not None:
+            pre.state.values = [v + 1e-3 for v in pre.state.values]
+        return pre
+
+    monkeypatch.setattr(prefix_batch.StepPrefixes, "take_scoring", broken)
+    with caplog.at_level(logging.WARNING, logger="rollplex_trl.trainers.verify"):
+        _, logs = _train(tiny_vl_path, video_dataset, tmp_path, "window", max_steps=1)
+    assert logs[0]["rollplex/verify_ref_logp_abs"] > TOLERANCE["fp32"]
+    assert "Re-run without the prefix built ahead of this pass" in caplog.text
+    assert "rollplex_overlap='off' turns it off" in caplog.text
+    assert "the actor log-probs differ" not in caplog.text  # the actor's pass (its own prefix) is fine
+
+
+def test_audit_names_a_broken_cascade_attention(tiny_vl_path, tmp_path, video_dataset, monkeypatch, caplog):
+    import rollplex_trl.prefix.suffix_attention as suffix_attention
+
+    cascade = suffix_attention.causal_cascade_attention
+    monkeypatch.setattr(suffix_attention, "causal_cascade_attention",
+                        lambda *a, **k: cascade(*a, **k) * 1.01)
+    with caplog.at_level(logging.WARNING, logger="rollplex_trl.trainers.verify"):
+        _train(tiny_vl_path, video_dataset, tmp_path, "cascade", max_steps=1, rollplex_suffix_attention="cascade")
+    assert "Re-run without the cascade suffix attention" in caplog.text
+    assert "rollplex_suffix_attention='concat' turns it off" in caplog.text

@@ -85,6 +85,15 @@ def compare(used: torch.Tensor, plain: torch.Tensor, mask: torch.Tensor) -> tupl
     return float(delta.abs().max()), float(torch.expm1(delta).abs().max())
 
 
+@dataclass(frozen=True)
+class Variant:
+    """An audited pass recomputed with one mechanism taken out: `run(rows)` gives its log-probs (rows, C)."""
+
+    mechanism: str
+    switch: str  # the setting that turns the mechanism off for the run
+    run: Callable[[int], torch.Tensor]
+
+
 class ExactnessAudit:
     def __init__(self, spec: AuditSpec, precision: str) -> None:
         self.spec = spec
@@ -97,10 +106,12 @@ class ExactnessAudit:
         return self.spec.due(step) and (step, kind) not in self._audited
 
     def check(self, *, step: int, kind: str, used: torch.Tensor, mask: torch.Tensor,
-              plain: Callable[[int], torch.Tensor], mechanisms: list[str], record: Callable[[str, float], None]
-              ) -> None:
+              plain: Callable[[int], torch.Tensor], mechanisms: list[str], record: Callable[[str, float], None],
+              variants: list[Variant] = ()) -> None:
         """Compare the first rows of a pass's log-probs `used` (rows, C) with `plain(rows)`, the plain recomputation
-        of those rows; `mask` (rows, C) marks completion tokens. `mechanisms`: what the pass used (for the report)."""
+        of those rows; `mask` (rows, C) marks completion tokens. `mechanisms`: what the pass used (for the report).
+        `variants`: the same pass with one mechanism taken out each, tried in turn when the difference is too large,
+        to name the mechanism at fault."""
         self._audited.add((step, kind))
         rows = min(self.spec.rows, used.size(0))
         with torch.no_grad():
@@ -112,9 +123,23 @@ class ExactnessAudit:
         logger.info("rollplex audit step %d, %s log-probs of %d rows: max |Δ| %.2e (tolerance %.0e, %s) %s", step,
                     kind, rows, abs_diff, self.tolerance, self.precision, "ok" if ok else "EXCEEDED")
         if not ok:
+            culprit = self._diagnose(variants, reference, mask[:rows], rows)
             self._report(f"rollplex exactness audit, step {step}: the {kind} log-probs differ from a plain full "
                          f"forward of the same rows by up to {abs_diff:.3g} (tolerance {self.tolerance:g} under "
-                         f"{self.precision})", kind, mechanisms)
+                         f"{self.precision})", kind, mechanisms, culprit)
+
+    def _diagnose(self, variants: list[Variant], reference: torch.Tensor, mask: torch.Tensor, rows: int
+                  ) -> str | None:
+        """The first variant (the pass with one mechanism taken out) that agrees with the plain pass names the
+        mechanism at fault; None when none does (the shared prefix itself, or something no variant removes)."""
+        for variant in variants:
+            with torch.no_grad():
+                diff, _ = compare(variant.run(rows), reference, mask)
+            logger.info("rollplex audit: without %s, max |Δ| %.2e", variant.mechanism, diff)
+            if diff <= self.tolerance:
+                return (f"Re-run without {variant.mechanism}, the pass agrees with the plain one (max |Δ| "
+                        f"{diff:.2g}): that is the mechanism at fault; {variant.switch} turns it off")
+        return None
 
     def check_gradient(self, *, step: int, ours: list[torch.Tensor | None], plain: list[torch.Tensor | None],
                        mechanisms: list[str], record: Callable[[str, float], None]) -> None:
@@ -142,10 +167,14 @@ class ExactnessAudit:
                          f"differs from the plain full forward's: cosine {cos:.6f} (at least {min_cos:g}), norms "
                          f"{rel:.3g} apart (at most {max_rel:g}, {self.precision})", "actor-gradient", mechanisms)
 
-    def _report(self, finding: str, kind: str, mechanisms: list[str]) -> None:
-        message = (f"{finding}. The pass used: {', '.join(mechanisms) or 'no Rollplex mechanism'}. Turn them off "
-                   "one at a time (rollplex_share_prefix='off', rollplex_overlap='off', "
-                   "rollplex_suffix_attention='concat') to find the one at fault, and report it (docs/verify.md).")
+    def _report(self, finding: str, kind: str, mechanisms: list[str], culprit: str | None = None) -> None:
+        advice = culprit or ("Taking out the prefix built ahead of the pass or switching the suffix attention does "
+                             "not explain it: the shared prefix itself (rollplex_share_prefix='off' turns it off)"
+                             if kind != "actor-gradient" else
+                             "Turn them off one at a time (rollplex_share_prefix='off', rollplex_overlap='off', "
+                             "rollplex_suffix_attention='concat') to find the one at fault")
+        message = (f"{finding}. The pass used: {', '.join(mechanisms) or 'no Rollplex mechanism'}. {advice}; please "
+                   "report it (docs/verify.md).")
         if self.spec.strict:
             raise RuntimeError(message + " (rollplex_verify_strict=True)")
         if kind not in self._warned:
@@ -180,10 +209,45 @@ def audit_pass(trainer: Any, model: Any, logps: torch.Tensor, input_ids: torch.T
             return trl_compat.trl_per_token_logps(trainer, plain_model, ids, mask, logits_to_keep)
 
     audit.check(step=step, kind=kind, used=logps, mask=attention_mask[:, -logits_to_keep:], plain=plain,
-                mechanisms=mechanisms, record=trainer._record)
+                mechanisms=mechanisms, record=trainer._record,
+                variants=variants(trainer, plain_model, input_ids, attention_mask, logits_to_keep,
+                                  reference=model is trainer.ref_model))
     if actor and trainer.phase_memory is None:  # (activation offload hooks the actor's graphs: not audited)
         audit_gradient(trainer, audit, plain_model, plain, input_ids, attention_mask, logits_to_keep, step,
                        mechanisms)
+
+
+def variants(trainer: Any, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+             *, reference: bool) -> list[Variant]:
+    """The audited pass with one mechanism taken out each: a fresh shared-prefix pass instead of the prefix built
+    ahead of it (in the decode window, or the rollout's prefill kept for the actor window), then the same with the
+    other suffix attention (cascade <-> concat)."""
+    backend = trainer.backend
+    scored = trainer.batch.scored_rows
+
+    def fresh(rows: int, suffix: str | None = None) -> torch.Tensor:
+        previous = getattr(backend, "suffix_attention_mode", None)
+        if suffix is not None:
+            backend.suffix_attention_mode = suffix
+        try:
+            return backend.logps_and_entropies(
+                model, reference=reference, input_ids=input_ids[:rows], attention_mask=attention_mask[:rows],
+                logits_to_keep=logits_to_keep, batch_size=None, temperature=trainer.temperature,
+                compute_entropy=False, compute_aux_loss=False, rows=scored[:rows] if scored is not None else None,
+                vision_kwargs={}, autocast=trainer.accelerator.autocast, training=trainer.model.training,
+                share_prefix=True, prompts_per_chunk=trainer.rollplex["rollplex_prefix_chunk_prompts"],
+                precomputed=None)[0]
+        finally:
+            if suffix is not None:
+                backend.suffix_attention_mode = previous
+    out = [Variant("the prefix built ahead of this pass (decode window / kept prefill)", "rollplex_overlap='off'",
+                   fresh)]
+    mode = getattr(backend, "suffix_attention_mode", None)
+    if mode in ("cascade", "concat"):
+        other = "concat" if mode == "cascade" else "cascade"
+        out.append(Variant(f"the {mode} suffix attention", f"rollplex_suffix_attention='{other}'",
+                           lambda rows: fresh(rows, suffix=other)))
+    return out
 
 
 def audit_gradient(trainer: Any, audit: ExactnessAudit, model: Any, plain: Callable[[int], torch.Tensor],
