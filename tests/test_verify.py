@@ -149,3 +149,24 @@ def test_audit_names_a_broken_cascade_attention(tiny_vl_path, tmp_path, video_da
         _train(tiny_vl_path, video_dataset, tmp_path, "cascade", max_steps=1, rollplex_suffix_attention="cascade")
     assert "Re-run without the cascade suffix attention" in caplog.text
     assert "rollplex_suffix_attention='concat' turns it off" in caplog.text
+
+
+def test_audit_under_ddp_reports_the_worst_process(tiny_vl_path, tmp_path):
+    """Two processes (gloo): each audits its own rows; the logged values are the worst process's, so a fault on
+    rank 1 only shows in rank 0's logs too, while only rank 1 warns (and names the mechanism)."""
+    from pathlib import Path
+
+    from helpers import run_two_processes
+
+    worker = Path(__file__).with_name("ddp_audit_worker.py")
+    clean = run_two_processes(worker, [str(tiny_vl_path), str(tmp_path), "clean"], tmp_path, "clean-rank*.json",
+                              29611)
+    fault = run_two_processes(worker, [str(tiny_vl_path), str(tmp_path), "fault"], tmp_path, "fault-rank*.json",
+                              29612)
+    for results in (clean, fault):
+        assert results[0]["logs"] == results[1]["logs"]  # reduced: the same numbers on both processes
+    assert all(v <= TOLERANCE["fp32"] for row in clean[0]["logs"] for k, v in row.items() if k.endswith("logp_abs"))
+    assert not clean[0]["warnings"] and not clean[1]["warnings"]
+    assert fault[0]["logs"][0]["rollplex/verify_ref_logp_abs"] > TOLERANCE["fp32"]
+    assert not fault[0]["warnings"]
+    assert any("Re-run without the prefix built ahead of this pass" in w for w in fault[1]["warnings"])

@@ -95,9 +95,10 @@ class Variant:
 
 
 class ExactnessAudit:
-    def __init__(self, spec: AuditSpec, precision: str) -> None:
+    def __init__(self, spec: AuditSpec, precision: str, device: torch.device | None = None) -> None:
         self.spec = spec
         self.precision = precision
+        self.device = device  # for the reduction over processes (the trainer's device: NCCL needs CUDA tensors)
         self.tolerance = TOLERANCE[precision]
         self._audited: set[tuple[int, str]] = set()  # (step, pass): the first call of each pass per step
         self._warned: set[str] = set()
@@ -117,8 +118,9 @@ class ExactnessAudit:
         with torch.no_grad():
             reference = plain(rows)
         abs_diff, rel_diff = compare(used[:rows], reference, mask[:rows])
-        record(f"rollplex/verify_{kind}_logp_abs", abs_diff)
-        record(f"rollplex/verify_{kind}_prob_rel", rel_diff)
+        worst_abs, worst_rel = self._worst_over_processes([abs_diff, rel_diff])
+        record(f"rollplex/verify_{kind}_logp_abs", worst_abs)
+        record(f"rollplex/verify_{kind}_prob_rel", worst_rel)
         ok = abs_diff <= self.tolerance
         logger.info("rollplex audit step %d, %s log-probs of %d rows: max |Δ| %.2e (tolerance %.0e, %s) %s", step,
                     kind, rows, abs_diff, self.tolerance, self.precision, "ok" if ok else "EXCEEDED")
@@ -127,6 +129,18 @@ class ExactnessAudit:
             self._report(f"rollplex exactness audit, step {step}: the {kind} log-probs differ from a plain full "
                          f"forward of the same rows by up to {abs_diff:.3g} (tolerance {self.tolerance:g} under "
                          f"{self.precision})", kind, mechanisms, culprit)
+        self._stop_if_strict(worst_abs > self.tolerance, f"the {kind} log-probs, step {step}")
+
+    def _worst_over_processes(self, values: list[float]) -> list[float]:
+        """Each value's maximum over the processes (every process audits its own rows at the same point of the
+        step, so the collective is reached by all): the logged metric is the worst process's. Each process decides
+        and reports on its own rows."""
+        if self.device is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()
+                                       and torch.distributed.get_world_size() > 1):
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        return tensor.tolist()
 
     def _diagnose(self, variants: list[Variant], reference: torch.Tensor, mask: torch.Tensor, rows: int
                   ) -> str | None:
@@ -152,12 +166,14 @@ class ExactnessAudit:
             dot += float((a * b).sum())
             norm_ours += float((a * a).sum())
             norm_plain += float((b * b).sum())
-        if norm_plain == 0.0:
-            return  # no gradient (all completions masked): nothing to compare
-        cos = dot / max((norm_ours * norm_plain) ** 0.5, 1e-300)
-        rel = abs(norm_ours ** 0.5 - norm_plain ** 0.5) / norm_plain ** 0.5
-        record("rollplex/verify_actor_grad_cos", cos)
-        record("rollplex/verify_actor_grad_rel", rel)
+        if norm_plain == 0.0:  # no gradient (all completions masked): nothing to compare on this process
+            cos, rel = 1.0, 0.0
+        else:
+            cos = dot / max((norm_ours * norm_plain) ** 0.5, 1e-300)
+            rel = abs(norm_ours ** 0.5 - norm_plain ** 0.5) / norm_plain ** 0.5
+        worst_cos, worst_rel = self._worst_over_processes([-cos, rel])  # every process reaches it
+        record("rollplex/verify_actor_grad_cos", -worst_cos)
+        record("rollplex/verify_actor_grad_rel", worst_rel)
         min_cos, max_rel = GRAD_TOLERANCE[self.precision]
         ok = cos >= min_cos and rel <= max_rel
         logger.info("rollplex audit step %d, actor gradient: cosine %.8f (>= %g), relative norm difference %.2e "
@@ -166,6 +182,14 @@ class ExactnessAudit:
             self._report(f"rollplex exactness audit, step {step}: the actor's gradient through the shared prefix "
                          f"differs from the plain full forward's: cosine {cos:.6f} (at least {min_cos:g}), norms "
                          f"{rel:.3g} apart (at most {max_rel:g}, {self.precision})", "actor-gradient", mechanisms)
+        self._stop_if_strict(-worst_cos < min_cos or worst_rel > max_rel, f"the actor's gradient, step {step}")
+
+    def _stop_if_strict(self, exceeded_somewhere: bool, what: str) -> None:
+        """rollplex_verify_strict: stop every process together (the decision is on the values reduced over the
+        processes), after each has reported its own finding."""
+        if self.spec.strict and exceeded_somewhere:
+            raise RuntimeError(f"rollplex exactness audit: {what} exceeded the tolerance on at least one process "
+                               "(its warning says where and why); stopping (rollplex_verify_strict=True)")
 
     def _report(self, finding: str, kind: str, mechanisms: list[str], culprit: str | None = None) -> None:
         advice = culprit or ("Taking out the prefix built ahead of the pass or switching the suffix attention does "
@@ -175,9 +199,7 @@ class ExactnessAudit:
                              "rollplex_suffix_attention='concat') to find the one at fault")
         message = (f"{finding}. The pass used: {', '.join(mechanisms) or 'no Rollplex mechanism'}. {advice}; please "
                    "report it (docs/verify.md).")
-        if self.spec.strict:
-            raise RuntimeError(message + " (rollplex_verify_strict=True)")
-        if kind not in self._warned:
+        if self.spec.strict or kind not in self._warned:
             self._warned.add(kind)
             logger.warning(message)
 
@@ -277,4 +299,5 @@ def build_audit(trainer: Any) -> ExactnessAudit | None:
     """The trainer's audit, or None when rollplex_verify_every resolves to off."""
     spec = audit_spec(trainer.rollplex, num_generations=trainer.num_generations,
                       backend=trainer.rollplex["rollplex_backend"])
-    return ExactnessAudit(spec, precision_of(trainer.accelerator.mixed_precision)) if spec.every else None
+    return ExactnessAudit(spec, precision_of(trainer.accelerator.mixed_precision),
+                          device=trainer.accelerator.device) if spec.every else None

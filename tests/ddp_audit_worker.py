@@ -1,0 +1,54 @@
+"""One process of tests/test_verify.py's DDP test (torchrun, gloo): audited video GRPO steps; with mode "fault" the
+decode window's prefixes are wrong on rank 1 only. Writes the logged audit values and the warnings it printed."""
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+def main(checkpoint: str, out: str, mode: str) -> None:
+    sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "..")]
+    from datasets import Dataset
+
+    import rollplex_trl.prefix.batch as prefix_batch
+    from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
+
+    from helpers import video_rows
+
+    rank = int(os.environ["RANK"])
+    if mode == "fault" and rank == 1:
+        take = prefix_batch.StepPrefixes.take_scoring
+
+        def broken(self, **kwargs):
+            pre = take(self, **kwargs)
+            if pre is not None:
+                pre.state.values = [v + 1e-3 for v in pre.state.values]
+            return pre
+
+        prefix_batch.StepPrefixes.take_scoring = broken
+    warnings: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    logging.getLogger("rollplex_trl.trainers.verify").addHandler(Collect(level=logging.WARNING))
+    args = RollplexGRPOConfig(
+        output_dir=f"{out}/run-{mode}", max_steps=2, per_device_train_batch_size=2, num_generations=2,
+        max_completion_length=6, learning_rate=5e-3, beta=0.1, logging_steps=1, report_to=[], seed=5, use_cpu=True,
+        bf16=False, save_strategy="no", ddp_backend="gloo", rollplex_verify_every=1,
+        rollplex_video_min_pixels=4 * 28 * 28, rollplex_video_max_pixels=56 * 84)
+    trainer = RollplexGRPOTrainer(model=checkpoint, reward_funcs=lambda completions, **k: [
+        float(len(c[0]["content"]) % 5) for c in completions], args=args,
+        train_dataset=Dataset.from_list(video_rows(Path(out) / f"media{rank}", lambda i: "Q" * i)))
+    trainer.train()
+    logs = [{k: v for k, v in r.items() if k.startswith("rollplex/verify_")} for r in trainer.state.log_history
+            if "loss" in r]
+    Path(out, f"{mode}-rank{rank}.json").write_text(json.dumps({"logs": logs, "warnings": warnings}))
+    trainer.end()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
