@@ -58,7 +58,7 @@ from rollplex_trl.trainers.rollout import TrainerRollout
 from rollplex_trl.trainers.sharing import PrefixSharing
 from rollplex_trl.trainers.support import Support, decide_support, log_notices, refuse_before_setup
 from rollplex_trl.trainers.temporal import TemporalRecipe
-from rollplex_trl.trainers.verify import audit_pass, build_audit
+from rollplex_trl.trainers.verify import audit_pass, audit_sampler, build_audit
 
 logger = logging.getLogger(__name__)
 
@@ -208,17 +208,15 @@ class RollplexGRPOTrainer(GRPOTrainer):
                                                                                   for c in VIDEO_COLUMNS):
             inputs = stream.prepare_batch(inputs)  # a streamed video dataset
         rows = [x.get(PREPARED_KEY) for x in inputs]
-        if all(r is None for r in rows):
-            return super()._generate_and_score_completions(inputs)
+        if all(r is None for r in rows):  # (the audit: the rollout engine's own log-probs, where it returns them)
+            return audit_sampler(self, super()._generate_and_score_completions(inputs))
         if any(r is None for r in rows):
             raise RuntimeError("internal error: a generation batch mixes prepared and unprepared rows")
         with self.batch.generating(rows):
             output = super()._generate_and_score_completions(inputs)
         output[PREPARED_KEY] = rows  # a list: TRL shuffles and splits it together with the row tensors
-        sources = [d for d in (self.train_dataset, stream) if hasattr(d, "num_skipped")]
-        self._record("rollplex/skipped_samples", float(sum(d.num_skipped for d in sources)))
-        self._record("rollplex/skipped_fraction", max([float(d.skipped_fraction) for d in sources], default=0.0))
-        return output
+        self.media.record_skips(self.train_dataset, self._record)
+        return audit_sampler(self, output)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)

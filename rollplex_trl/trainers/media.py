@@ -8,6 +8,7 @@ not carry); otherwise they take TRL's own path. With vLLM the rows also keep the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,12 @@ class DatasetPreparation:
     framed: bool  # use_vllm: rows keep their frames and images
     custom_rollout: bool  # tools, environments or a rollout_func
     stream_preparer: StreamPreparer | None = None
+
+    def record_skips(self, train_dataset: Any, record: Callable[[str, float], None]) -> None:
+        """`rollplex/skipped_samples` and `rollplex/skipped_fraction` of the training data (map-style or streamed)."""
+        sources = [d for d in (train_dataset, self.stream_preparer) if hasattr(d, "num_skipped")]
+        record("rollplex/skipped_samples", float(sum(d.num_skipped for d in sources)))
+        record("rollplex/skipped_fraction", max([float(d.skipped_fraction) for d in sources], default=0.0))
 
     def wrap(self, dataset: Any, name: str) -> Any:
         """`dataset` as the trainer should read it (possibly unchanged); `name` labels errors ("train", "eval")."""

@@ -38,6 +38,10 @@ TOLERANCE = {"fp32": 1e-4, "bf16": 0.1, "fp16": 0.02}
 # The actor's gradient of Σ log-probs over the audited rows, shared-prefix path against the plain path: the smallest
 # cosine similarity and the largest relative norm difference accepted (measured on the test models: fp32 cosine
 # 1 - 3e-14, norms 1e-8 apart; bf16 autocast with checkpointing 1 - 8e-6 and 1.4e-4).
+# The rollout engine's sampling log-probs against the trainer's plain pass: another engine's kernels (and, where
+# rollplex_vllm_dtype differs from the trainer's precision, another dtype). A wrongly mapped or stale weight moves
+# log-probs by whole nats; kernel differences in bf16 reach tenths.
+SAMPLER_TOLERANCE = {"fp32": 1e-3, "bf16": 1.0, "fp16": 0.5}
 GRAD_TOLERANCE = {"fp32": (1 - 1e-6, 1e-4), "bf16": (0.999, 0.01), "fp16": (0.9999, 0.005)}
 
 
@@ -108,7 +112,7 @@ class ExactnessAudit:
 
     def check(self, *, step: int, kind: str, used: torch.Tensor, mask: torch.Tensor,
               plain: Callable[[int], torch.Tensor], mechanisms: list[str], record: Callable[[str, float], None],
-              variants: list[Variant] = ()) -> None:
+              variants: list[Variant] = (), tolerance: float | None = None) -> None:
         """Compare the first rows of a pass's log-probs `used` (rows, C) with `plain(rows)`, the plain recomputation
         of those rows; `mask` (rows, C) marks completion tokens. `mechanisms`: what the pass used (for the report).
         `variants`: the same pass with one mechanism taken out each, tried in turn when the difference is too large,
@@ -121,15 +125,16 @@ class ExactnessAudit:
         worst_abs, worst_rel = self._worst_over_processes([abs_diff, rel_diff])
         record(f"rollplex/verify_{kind}_logp_abs", worst_abs)
         record(f"rollplex/verify_{kind}_prob_rel", worst_rel)
-        ok = abs_diff <= self.tolerance
+        tolerance = self.tolerance if tolerance is None else tolerance
+        ok = abs_diff <= tolerance
         logger.info("rollplex audit step %d, %s log-probs of %d rows: max |Δ| %.2e (tolerance %.0e, %s) %s", step,
-                    kind, rows, abs_diff, self.tolerance, self.precision, "ok" if ok else "EXCEEDED")
+                    kind, rows, abs_diff, tolerance, self.precision, "ok" if ok else "EXCEEDED")
         if not ok:
             culprit = self._diagnose(variants, reference, mask[:rows], rows)
             self._report(f"rollplex exactness audit, step {step}: the {kind} log-probs differ from a plain full "
-                         f"forward of the same rows by up to {abs_diff:.3g} (tolerance {self.tolerance:g} under "
+                         f"forward of the same rows by up to {abs_diff:.3g} (tolerance {tolerance:g} under "
                          f"{self.precision})", kind, mechanisms, culprit)
-        self._stop_if_strict(worst_abs > self.tolerance, f"the {kind} log-probs, step {step}")
+        self._stop_if_strict(worst_abs > tolerance, f"the {kind} log-probs, step {step}")
 
     def _worst_over_processes(self, values: list[float]) -> list[float]:
         """Each value's maximum over the processes (every process audits its own rows at the same point of the
@@ -208,9 +213,6 @@ def audit_pass(trainer: Any, model: Any, logps: torch.Tensor, input_ids: torch.T
                logits_to_keep: int, vision_kwargs: dict, mechanisms: list[str]) -> None:
     """The trainer's side of an audit: which pass this is, and its plain recomputation (trainers/grpo.py calls it
     after each Rollplex log-prob pass; it returns at once when no audit is due)."""
-    from rollplex_trl import trl_compat
-    from rollplex_trl.prefix.batch import prepared_rows_logps
-
     audit: ExactnessAudit | None = trainer.audit
     if audit is None or any(v is not None for v in vision_kwargs.values()):  # TRL's own vision inputs: its pass
         return
@@ -220,15 +222,7 @@ def audit_pass(trainer: Any, model: Any, logps: torch.Tensor, input_ids: torch.T
     if not audit.wants(step, kind):
         return
     plain_model = trainer._trained_model(model) if actor else trainer.accelerator.unwrap_model(model)
-    rows = trainer.batch.scored_rows
-
-    def plain(n: int) -> torch.Tensor:
-        ids, mask = input_ids[:n], attention_mask[:n]
-        if rows is not None:  # prepared image/video rows: the unshared per-row pass, vision inputs from the rows
-            return prepared_rows_logps(plain_model, rows[:n], ids, mask, logits_to_keep, None, False, False,
-                                       trainer.accelerator.autocast)[0]
-        with trainer.accelerator.autocast():  # text: TRL's own pass
-            return trl_compat.trl_per_token_logps(trainer, plain_model, ids, mask, logits_to_keep)
+    plain = plain_pass(trainer, plain_model, trainer.batch.scored_rows, input_ids, attention_mask, logits_to_keep)
 
     audit.check(step=step, kind=kind, used=logps, mask=attention_mask[:, -logits_to_keep:], plain=plain,
                 mechanisms=mechanisms, record=trainer._record,
@@ -237,6 +231,50 @@ def audit_pass(trainer: Any, model: Any, logps: torch.Tensor, input_ids: torch.T
     if actor and trainer.phase_memory is None:  # (activation offload hooks the actor's graphs: not audited)
         audit_gradient(trainer, audit, plain_model, plain, input_ids, attention_mask, logits_to_keep, step,
                        mechanisms)
+
+
+def plain_pass(trainer: Any, model: Any, rows: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               logits_to_keep: int) -> Callable[[int], torch.Tensor]:
+    """The plain recomputation of the first n rows' log-probs: full sequences through `model` (TRL's own pass for
+    text; the unshared per-row pass with each row's vision inputs for prepared rows), under the trainer's autocast."""
+    from rollplex_trl import trl_compat
+    from rollplex_trl.prefix.batch import prepared_rows_logps
+
+    def plain(n: int) -> torch.Tensor:
+        ids, mask = input_ids[:n], attention_mask[:n]
+        if rows is not None:
+            return prepared_rows_logps(model, rows[:n], ids, mask, logits_to_keep, None, False, False,
+                                       trainer.accelerator.autocast)[0]
+        with trainer.accelerator.autocast():
+            return trl_compat.trl_per_token_logps(trainer, model, ids, mask, logits_to_keep)
+
+    return plain
+
+
+def audit_sampler(trainer: Any, output: dict[str, Any]) -> dict[str, Any]:
+    """On an audit step, the rollout engine's own log-probs of the tokens it sampled (vLLM returns them: TRL's
+    `sampling_per_token_logps`) against a plain pass through the trainer's weights at θ_k: catches an engine that
+    samples from other weights than the trainer's (a skipped or wrongly mapped weight sync). Logged as
+    `rollplex/verify_sampler_logp_abs`; the tolerance is looser (`SAMPLER_TOLERANCE`): another engine's kernels.
+    Returns `output`."""
+    from rollplex_trl.data.prepared import PREPARED_KEY
+
+    audit: ExactnessAudit | None = trainer.audit
+    sampled = output.get("sampling_per_token_logps")
+    step = trainer.state.global_step
+    if audit is None or sampled is None or not trainer.model.training or not audit.wants(step, "sampler"):
+        return output
+    if any(k in output for k in ("pixel_values", "pixel_values_videos")):  # TRL's own vision path: not rebuilt here
+        return output
+    input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+    attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+    width = output["completion_ids"].size(1)
+    plain = plain_pass(trainer, trainer.accelerator.unwrap_model(trainer.model), output.get(PREPARED_KEY),
+                       input_ids, attention_mask, width)
+    audit.check(step=step, kind="sampler", used=sampled, mask=output["completion_mask"], plain=plain,
+                mechanisms=["the rollout engine's weights (weight sync)"], record=trainer._record,
+                tolerance=SAMPLER_TOLERANCE[audit.precision])
+    return output
 
 
 def variants(trainer: Any, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,

@@ -164,3 +164,32 @@ def test_temporal_shuffled_rollout_through_the_vllm_path(tiny_vl_path, tmp_path,
         assert a["rollplex/temporal_groups"] == 2
         for key in ("loss", "reward", "kl", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (key, step)
+
+
+@pytest.mark.parametrize("sync", ["working", "skipped"])
+def test_audit_compares_the_engines_log_probs_with_the_trainers(tiny_vl_path, tmp_path, monkeypatch, caplog, sync):
+    """The exactness audit reads the engine's sampling log-probs (vLLM returns them) against a plain pass through the
+    trainer's weights: within tolerance while the weight sync works; a skipped sync (the engine keeps step 0's
+    weights) is caught at the next step and named."""
+    import logging
+
+    from rollplex_trl.trainers.verify import SAMPLER_TOLERANCE
+
+    class NoSync(StandInEngine):
+        def sync_weights(self, model, version):
+            return {}
+
+    processor = _use_stand_in(monkeypatch, tiny_vl_path, StandInEngine if sync == "working" else NoSync)
+    dataset = Dataset.from_list(video_rows(tmp_path, lambda i: "Q" * i))
+    trainer = RollplexGRPOTrainer(model=str(tiny_vl_path), reward_funcs=lambda completions, **kw: [
+        float(len(c[0]["content"]) % 5) for c in completions], train_dataset=dataset, processing_class=processor,
+        args=_config(tmp_path, rollplex_verify_every=1, learning_rate=5e-2))
+    with caplog.at_level(logging.WARNING, logger="rollplex_trl.trainers.verify"):
+        trainer.train()
+    values = [r["rollplex/verify_sampler_logp_abs"] for r in trainer.state.log_history if "loss" in r]
+    assert len(values) == 2 and values[0] <= SAMPLER_TOLERANCE["fp32"]  # step 0: both hold the initial weights
+    if sync == "working":
+        assert values[1] <= SAMPLER_TOLERANCE["fp32"] and "sampler" not in caplog.text
+    else:
+        assert values[1] > SAMPLER_TOLERANCE["fp32"]
+        assert "the sampler log-probs differ" in caplog.text and "weight sync" in caplog.text
