@@ -46,7 +46,10 @@ def main(checkpoint: str, out: str, mode: str) -> None:
     trainer.train()
     logs = [{k: v for k, v in r.items() if k.startswith("rollplex/verify_")} for r in trainer.state.log_history
             if "loss" in r]
-    Path(out, f"{mode}-rank{rank}.json").write_text(json.dumps({"logs": logs, "warnings": warnings}))
+    from rollplex_trl.callbacks.banner import banner_lines
+
+    Path(out, f"{mode}-rank{rank}.json").write_text(json.dumps({"logs": logs, "warnings": warnings,
+                                                                "banner": banner_lines(trainer)}))
     trainer.end()
 
 

@@ -170,3 +170,5 @@ def test_audit_under_ddp_reports_the_worst_process(tiny_vl_path, tmp_path):
     assert fault[0]["logs"][0]["rollplex/verify_ref_logp_abs"] > TOLERANCE["fp32"]
     assert not fault[0]["warnings"]
     assert any("Re-run without the prefix built ahead of this pass" in w for w in fault[1]["warnings"])
+    # the start-up banner says how many processes there are (callbacks/banner.py)
+    assert clean[0]["banner"][0].startswith("[rollplex] 2 processes: data parallel 2 x tensor parallel 1")

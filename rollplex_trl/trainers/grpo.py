@@ -35,6 +35,7 @@ from trl import GRPOTrainer
 from rollplex_trl import trl_compat
 from rollplex_trl.backends import HfBackend, build_backend, refuse_backend_setup
 from rollplex_trl.backends.base import TrainingBackend
+from rollplex_trl.callbacks.banner import StartupBanner
 from rollplex_trl.callbacks.trackers import TimelineImageCallback
 from rollplex_trl.config import rollplex_options
 from rollplex_trl.data.prepared import PREPARED_KEY, VIDEO_COLUMNS
@@ -126,6 +127,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
                              for f, name in zip(self.reward_funcs, self.reward_func_names, strict=True)]
         self.temporal = TemporalRecipe.build(self)  # T-GRPO / length control (trainers/temporal.py); None when off
         self.audit = build_audit(self)  # rollplex_verify_every (trainers/verify.py); None when off
+        self.add_callback(StartupBanner(self))  # what this run is and what was decided, printed once
         if self.rollplex["rollplex_timeline"] and not any(isinstance(c, TimelineImageCallback)
                                                           for c in self.callback_handler.callbacks):
             self.add_callback(TimelineImageCallback(self))  # the timeline as an image in image-taking trackers
