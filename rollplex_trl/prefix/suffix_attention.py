@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -41,7 +42,20 @@ logger = logging.getLogger(__name__)
 MODES = ("auto", "cascade", "concat")
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 _NAME = "rollplex_suffix_{}"  # the registered wrapper of each base implementation
-_TAG = "_rollplex_cascade_layer"  # attribute on the key tensor a CascadeSuffixLayer served
+# id of the key tensor a CascadeSuffixLayer returned from `update` -> (a weak reference to it, that layer): HF passes
+# the very tensor on to the attention function, which finds its prompt's K/V here. The entry leaves with its tensor
+# (the weak reference's callback), and a lookup checks identity, so a reused id never matches.
+_SERVED: dict[int, tuple[weakref.ref, CascadeSuffixLayer]] = {}
+
+
+def _serve(key_states: torch.Tensor, layer: CascadeSuffixLayer) -> None:
+    ident = id(key_states)
+    _SERVED[ident] = (weakref.ref(key_states, lambda _: _SERVED.pop(ident, None)), layer)
+
+
+def _served_by(key: torch.Tensor) -> CascadeSuffixLayer | None:
+    entry = _SERVED.get(id(key))
+    return entry[1] if entry is not None and entry[0]() is key else None
 
 
 class CascadeSuffixLayer(trl_compat.DynamicLayer):
@@ -58,7 +72,7 @@ class CascadeSuffixLayer(trl_compat.DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self.served = True
-        setattr(key_states, _TAG, self)
+        _serve(key_states, self)
         return key_states, value_states
 
 
@@ -66,7 +80,7 @@ def _make_attention(base: str):
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                   **kwargs) -> tuple[torch.Tensor, None]:
-        layer = getattr(key, _TAG, None)
+        layer = _served_by(key)
         if layer is None:
             return base_attention(base, module)(module, query, key, value, attention_mask, dropout=dropout,
                                                  scaling=scaling, **kwargs)
