@@ -21,6 +21,7 @@ graphs would need a fixed-size cache view; not built).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -29,7 +30,9 @@ from torch import nn
 # torch.compile backend. Tests set "eager" (dynamo's capture of the decode step, the part that can go wrong here,
 # without inductor's code generation: seconds instead of minutes); the slow tests run inductor.
 BACKEND = "inductor"
-_COMPILED = "_rollplex_compiled_decode"  # the compiled forward, kept on the decoder module across rollouts
+# decoder module -> (its forward's function, that forward compiled), kept across rollouts; weak keys: an entry goes
+# with its module (modules hash and compare by identity)
+_COMPILED: weakref.WeakKeyDictionary[nn.Module, tuple[Callable, Callable]] = weakref.WeakKeyDictionary()
 
 
 def text_decoder(causal_lm: nn.Module) -> nn.Module:
@@ -51,12 +54,12 @@ def use_compiled_decode(mode: str, shared_decode: bool) -> bool:
 
 
 def _compiled_forward(decoder: nn.Module, forward: Callable) -> Callable:
-    compiled = decoder.__dict__.get(_COMPILED)
+    compiled = _COMPILED.get(decoder)
     if compiled is None or compiled[0] is not getattr(forward, "__func__", forward):
         # dynamic=True from the first call: the suffix length, the prompt width and the row count change between
         # steps and rollouts; a specialised first graph would recompile at once
         compiled = (getattr(forward, "__func__", forward), torch.compile(forward, dynamic=True, backend=BACKEND))
-        object.__setattr__(decoder, _COMPILED, compiled)  # a plain attribute: not a submodule, not in state_dict
+        _COMPILED[decoder] = compiled
     return compiled[1]
 
 

@@ -112,11 +112,11 @@ def test_other_threads_run_the_eager_forward(tiny_qwen2_path, backend):
         decoding = threading.local()
         decoding.on = True
         with compiled_decode.compiled_decoding(model, lambda: getattr(decoding, "on", False)):
-            compiled = decoder.__dict__[compiled_decode._COMPILED][1]
+            compiled = compiled_decode._COMPILED[decoder][1]
             worker = threading.Thread(target=lambda: seen.__setitem__("worker", model(**enc).logits))
             worker.start()
             worker.join()
-            assert compiled is decoder.__dict__[compiled_decode._COMPILED][1]
+            assert compiled is compiled_decode._COMPILED[decoder][1]
     assert torch.equal(seen["worker"], want)
     assert "forward" not in vars(decoder)
 
