@@ -10,6 +10,7 @@ from rollplex_trl.data.rewards import (
     word_error_rate,
 )
 from rollplex_trl.data.synthetic import (
+    DEFAULT_TASKS,
     TASKS,
     SyntheticSample,
     SyntheticVideoConfig,
@@ -43,6 +44,7 @@ from rollplex_trl.data.video_r1 import (
 
 __all__ = [
     "QUESTION_TEMPLATE",
+    "DEFAULT_TASKS",
     "TASKS",
     "TYPE_TEMPLATE",
     "VALID_DATA_TYPES",

@@ -5,7 +5,13 @@ Each sample is a short clip of filled circles and squares in a few named colours
 - ``count``: "How many red objects are in the video?" (numerical) — static objects, some in distractor colours;
 - ``direction``: "In which direction does the blue object move?" (multiple choice: left/right/up/down);
 - ``first_appeared``: "What colour is the object that appears first?" (multiple choice over colours) — objects
-  appear at different frames and stay.
+  appear at different frames and stay;
+- ``left_right``: "Does the blue square move left or right?" (multiple choice: A. left / B. right) — one object
+  slides along a row in whole-pixel steps. It needs the frames in order: a left clip played backwards is exactly a
+  right clip, so one frame or the shuffled frames do not reveal the answer. Not in the default mix (``DEFAULT_TASKS``).
+
+``split`` picks the train or the held-out split: the held-out samples come from other random streams (seeds), and
+``left_right`` scenes are also disjoint by content (each scene, whatever its direction, belongs to one split only).
 
 Objects sit in distinct cells of a grid with gaps of at least one radius, so they never touch and a colour threshold
 plus connected components recovers the answer from the pixels (the tests do exactly that).
@@ -16,6 +22,7 @@ same loader (:func:`rollplex_trl.data.video_r1.load_video_r1`) reads it and the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -28,7 +35,10 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-TASKS: tuple[str, ...] = ("count", "direction", "first_appeared")
+TASKS: tuple[str, ...] = ("count", "direction", "first_appeared", "left_right")
+# The mix a config without ``tasks`` generates (the one the main job has always trained on).
+DEFAULT_TASKS: tuple[str, ...] = ("count", "direction", "first_appeared")
+SPLITS: tuple[str, ...] = ("train", "heldout")
 
 # Saturated colours far apart in RGB, so that they stay separable after 4:2:0 chroma subsampling.
 COLOURS: dict[str, tuple[int, int, int]] = {
@@ -42,6 +52,12 @@ BACKGROUND: tuple[int, int, int] = (0, 0, 0)
 SHAPES: tuple[str, ...] = ("circle", "square")
 DIRECTIONS: tuple[str, ...] = ("left", "right", "up", "down")
 DIRECTION_OPTIONS: list[str] = ["A. left", "B. right", "C. up", "D. down"]
+LEFT_RIGHT: tuple[str, ...] = ("left", "right")
+LEFT_RIGHT_OPTIONS: list[str] = ["A. left", "B. right"]
+# One left_right scene in HELDOUT_BUCKETS goes to the held-out split (by a hash of the scene), the others to train.
+HELDOUT_BUCKETS = 4
+# Extra entropy word of the held-out split's random streams: (seed, index, HELDOUT_STREAM) vs (seed, index) for train.
+HELDOUT_STREAM = 0x4E1D
 OPTION_LETTERS = "ABCDEFGH"
 
 ANNOTATIONS_NAME = "annotations.jsonl"
@@ -67,7 +83,8 @@ class SyntheticVideoConfig:
         height: frame height in pixels (even: H.264 stores 4:2:0 chroma).
         width: frame width in pixels (even).
         fps: frame rate written into the MP4.
-        tasks: which task types to generate, a subset of ``TASKS``.
+        tasks: which task types to generate, a subset of ``TASKS`` (default ``DEFAULT_TASKS``).
+        split: ``"train"`` or ``"heldout"`` (other random streams; for ``left_right`` also disjoint scenes).
     """
 
     num_samples: int = 32
@@ -76,7 +93,8 @@ class SyntheticVideoConfig:
     height: int = 112
     width: int = 112
     fps: int = 8
-    tasks: tuple[str, ...] = field(default=TASKS)
+    tasks: tuple[str, ...] = field(default=DEFAULT_TASKS)
+    split: str = "train"
 
     def __post_init__(self) -> None:
         problems = []
@@ -91,6 +109,13 @@ class SyntheticVideoConfig:
         unknown = sorted(set(self.tasks) - set(TASKS))
         if not self.tasks or unknown or len(set(self.tasks)) != len(self.tasks):
             problems.append(f"tasks must be a non-empty subset of {TASKS} without repeats, got {self.tasks}")
+        if self.split not in SPLITS:
+            problems.append(f"split must be one of {SPLITS}, got {self.split!r}")
+        if "left_right" in self.tasks and not problems:
+            radius = _Grid.for_frame(self.height, self.width).radius
+            if self.num_frames - 1 > _max_travel(self.width, radius):
+                problems.append(f"left_right moves one whole pixel per frame at least: num_frames ({self.num_frames}) "
+                                f"must be <= {_max_travel(self.width, radius) + 1} at width {self.width}")
         if problems:
             raise ValueError("invalid SyntheticVideoConfig: " + "; ".join(problems))
 
@@ -293,7 +318,58 @@ def _make_first_appeared(
     )
 
 
-_TASK_BUILDERS = {"count": _make_count, "direction": _make_direction, "first_appeared": _make_first_appeared}
+def _max_travel(width: int, radius: int) -> int:
+    """Longest left_right path (pixels): half the width, and the object stays one pixel inside the frame."""
+    return min(width - 2 * radius - 2, width // 2)
+
+
+def _scene_split(key: tuple[Any, ...]) -> str:
+    """The split a left_right scene belongs to: a stable hash of its direction-free description."""
+    digest = hashlib.sha256(repr(key).encode()).digest()
+    return "heldout" if int.from_bytes(digest[:8], "big") % HELDOUT_BUCKETS == 0 else "train"
+
+
+def _make_left_right(
+    problem_id: int, rng: np.random.Generator, grid: _Grid, config: SyntheticVideoConfig
+) -> SyntheticSample:
+    # Labels alternate over this task's own samples (tasks are assigned round-robin), so each split is balanced.
+    direction = LEFT_RIGHT[(problem_id // len(config.tasks)) % 2]
+    radius = grid.radius
+    max_step = _max_travel(config.width, radius) // (config.num_frames - 1)
+    min_travel = -(-config.width // 4)  # a quarter of the width, rounded up
+    min_step = max(1, min(max_step, -(-min_travel // (config.num_frames - 1))))
+    # Draw scenes until one falls in this split: the two splits never share a scene (in either direction).
+    while True:
+        colour = list(COLOURS)[int(rng.integers(len(COLOURS)))]
+        shape = SHAPES[int(rng.integers(len(SHAPES)))]
+        step = int(rng.integers(min_step, max_step + 1))
+        travel = step * (config.num_frames - 1)
+        row = int(rng.integers(radius + 1, config.height - radius - 1))
+        low = int(rng.integers(radius + 1, config.width - radius - 1 - travel + 1))
+        scene = (config.height, config.width, config.num_frames, colour, shape, row, low, step)
+        if _scene_split(scene) == config.split:
+            break
+    # Whole-pixel positions (exact in floating point), so the reversed clip is exactly the other direction's clip.
+    west, east = (float(row), float(low)), (float(row), float(low + travel))
+    start, end = (east, west) if direction == "left" else (west, east)
+    mover = SyntheticObject(colour=colour, shape=shape, radius=radius, start=start, end=end)
+    return SyntheticSample(
+        problem_id=problem_id,
+        task="left_right",
+        problem=f"Does the {colour} {shape} move left or right?\n",
+        problem_type="multiple choice",
+        options=list(LEFT_RIGHT_OPTIONS),
+        answer=OPTION_LETTERS[LEFT_RIGHT.index(direction)],
+        objects=[mover],
+    )
+
+
+_TASK_BUILDERS = {
+    "count": _make_count,
+    "direction": _make_direction,
+    "first_appeared": _make_first_appeared,
+    "left_right": _make_left_right,
+}
 
 
 def make_synthetic_samples(config: SyntheticVideoConfig) -> list[SyntheticSample]:
@@ -303,7 +379,9 @@ def make_synthetic_samples(config: SyntheticVideoConfig) -> list[SyntheticSample
     for index in range(config.num_samples):
         task = config.tasks[index % len(config.tasks)]
         # One generator per sample, seeded by (seed, index): a sample does not change when num_samples grows.
-        rng = np.random.default_rng([config.seed, index])
+        # The held-out split draws from other streams, (seed, index, HELDOUT_STREAM).
+        entropy = [config.seed, index] if config.split == "train" else [config.seed, index, HELDOUT_STREAM]
+        rng = np.random.default_rng(entropy)
         samples.append(_TASK_BUILDERS[task](index, rng, grid, config))
     return samples
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import deque
 from pathlib import Path
@@ -203,3 +204,95 @@ def test_mp4_bytes_do_not_depend_on_the_heap(tmp_path):
         write_mp4(path, frames, fps=4)
         digests.add(hashlib.md5(path.read_bytes()).hexdigest())
     assert len(digests) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# left_right: a task that needs the frames in order
+# ---------------------------------------------------------------------------------------------------------------------
+
+LEFT_RIGHT_CONFIG = SyntheticVideoConfig(num_samples=8, seed=5, num_frames=8, height=64, width=64,
+                                         tasks=("left_right",))
+HELDOUT_CONFIG = dataclasses.replace(LEFT_RIGHT_CONFIG, split="heldout")
+
+
+def _mover_columns(clip: np.ndarray, colour: str) -> list[float]:
+    """Mean column of the ``colour`` pixels in each frame."""
+    return [float(np.argwhere(colour_mask(frame, colour))[:, 1].mean()) for frame in clip]
+
+
+def _scene(sample) -> tuple:
+    """What a clip shows, whatever the direction: colour, shape, row and the set of centres it passes through."""
+    (mover,) = sample.objects
+    return (mover.colour, mover.shape, mover.start[0], tuple(sorted((mover.start[1], mover.end[1]))))
+
+
+def test_left_right_decoded_clips_move_monotonically(tmp_path):
+    write_synthetic_video_dataset(tmp_path, LEFT_RIGHT_CONFIG)
+    every_frame = VideoSamplingConfig(nframes=LEFT_RIGHT_CONFIG.num_frames)
+    for sample in make_synthetic_samples(LEFT_RIGHT_CONFIG):
+        assert sample.options == ["A. left", "B. right"] and sample.problem_type == "multiple choice"
+        video = load_video(tmp_path / "videos" / sample.video_name, every_frame, sample_id=sample.problem_id)
+        clip = video.frames.permute(0, 2, 3, 1).numpy()
+        assert clip.shape[0] == 8  # the reader may resize the frames (min_pixels); columns scale with the width
+        (mover,) = sample.objects
+        columns = np.array(_mover_columns(clip, mover.colour)) * 64 / clip.shape[2]
+        steps = np.diff(columns)
+        expected = [mover.centre_at(index, 8)[1] for index in range(8)]
+        assert np.abs(columns - expected).max() < 1.0, (sample, columns)
+        if option_text(sample, sample.answer) == "right":
+            assert (steps > 0).all(), (sample, columns)
+        else:
+            assert (steps < 0).all(), (sample, columns)
+
+
+def test_left_right_rows_are_video_r1_rows_the_rewards_score(tmp_path):
+    from rollplex_trl.data import accuracy_reward
+
+    annotations = write_synthetic_video_dataset(tmp_path, LEFT_RIGHT_CONFIG)
+    rows = [json.loads(line) for line in annotations.read_text().splitlines()]
+    assert {row["data_source"] for row in rows} == {"rollplex-synthetic/left_right"}
+    dataset = load_video_r1(annotations)
+    completions = [f"<think>it slides</think><answer>{solution[8:9]}</answer>" for solution in dataset["solution"]]
+    assert accuracy_reward(completions, dataset["solution"], dataset["problem_type"]) == [1.0] * len(rows)
+
+
+def test_left_right_labels_are_balanced_in_each_split():
+    for config in (LEFT_RIGHT_CONFIG, HELDOUT_CONFIG):
+        answers = [sample.answer for sample in make_synthetic_samples(config)]
+        assert answers.count("A") == answers.count("B") == 4
+    # Mixed with another task (round-robin), the left_right samples alone are still balanced.
+    mixed = SyntheticVideoConfig(num_samples=8, seed=5, tasks=("count", "left_right"))
+    answers = [sample.answer for sample in make_synthetic_samples(mixed) if sample.task == "left_right"]
+    assert sorted(answers) == ["A", "A", "B", "B"]
+
+
+def test_left_right_splits_are_disjoint():
+    many = dataclasses.replace(LEFT_RIGHT_CONFIG, num_samples=200)
+    train = {_scene(sample) for sample in make_synthetic_samples(many)}
+    heldout = {_scene(sample) for sample in make_synthetic_samples(dataclasses.replace(many, split="heldout"))}
+    assert len(train) > 150 and len(heldout) > 150
+    assert not train & heldout
+    # Other tasks: the held-out split draws from other random streams.
+    count = SyntheticVideoConfig(num_samples=6, seed=3, tasks=("count",))
+    assert make_synthetic_samples(count) != make_synthetic_samples(dataclasses.replace(count, split="heldout"))
+
+
+def test_left_right_shuffled_frames_are_ambiguous():
+    """The frames as a multiset (or one frame at an unknown time) do not tell left from right: each clip reversed
+    is exactly the clip of the same scene moving the other way, so only the order of the frames holds the label."""
+    for sample in make_synthetic_samples(LEFT_RIGHT_CONFIG):
+        (mover,) = sample.objects
+        flipped = dataclasses.replace(mover, start=mover.end, end=mover.start)
+        twin = dataclasses.replace(sample, answer="A" if sample.answer == "B" else "B", objects=[flipped])
+        clip, twin_clip = render_frames(sample, LEFT_RIGHT_CONFIG), render_frames(twin, LEFT_RIGHT_CONFIG)
+        assert not np.array_equal(clip, twin_clip)  # in order, the clips differ ...
+        assert np.array_equal(clip[::-1], twin_clip)  # ... as sets of frames they are the same
+        assert sorted(frame.tobytes() for frame in clip) == sorted(frame.tobytes() for frame in twin_clip)
+
+
+def test_left_right_config_validation():
+    with pytest.raises(ValueError, match="split"):
+        SyntheticVideoConfig(split="test")
+    with pytest.raises(ValueError, match="num_frames"):
+        SyntheticVideoConfig(num_frames=64, height=48, width=48, tasks=("left_right",))
+    assert SyntheticVideoConfig().tasks == ("count", "direction", "first_appeared")  # the default mix is unchanged
