@@ -35,8 +35,7 @@ from trl import GRPOTrainer
 from rollplex_trl import trl_compat
 from rollplex_trl.backends import HfBackend, build_backend, refuse_backend_setup
 from rollplex_trl.backends.base import TrainingBackend
-from rollplex_trl.callbacks.banner import StartupBanner
-from rollplex_trl.callbacks.trackers import TimelineImageCallback
+from rollplex_trl.callbacks import NoLearningSignal, StartupBanner, TimelineImageCallback
 from rollplex_trl.config import rollplex_options
 from rollplex_trl.data.prepared import PREPARED_KEY, VIDEO_COLUMNS
 from rollplex_trl.data.prompt import PreparedPrompt, check_rows_match_ids, generation_fields
@@ -127,7 +126,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
                              for f, name in zip(self.reward_funcs, self.reward_func_names, strict=True)]
         self.temporal = TemporalRecipe.build(self)  # T-GRPO / length control (trainers/temporal.py); None when off
         self.audit = build_audit(self)  # rollplex_verify_every (trainers/verify.py); None when off
-        self.add_callback(StartupBanner(self))  # what this run is and what was decided, printed once
+        for callback in (StartupBanner(self), NoLearningSignal()):  # the banner; a warning when nothing is learned
+            self.add_callback(callback)
         if self.rollplex["rollplex_timeline"] and not any(isinstance(c, TimelineImageCallback)
                                                           for c in self.callback_handler.callbacks):
             self.add_callback(TimelineImageCallback(self))  # the timeline as an image in image-taking trackers
