@@ -56,6 +56,7 @@ def run_demo(args: argparse.Namespace) -> int:
     import torch
 
     from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
+    from rollplex_trl.callbacks.console import use_compact_console
     from rollplex_trl.callbacks.jsonl import JsonlLoggerCallback
     from rollplex_trl.data import (
         SyntheticVideoConfig,
@@ -110,6 +111,7 @@ def run_demo(args: argparse.Namespace) -> int:
         train_dataset=dataset,
         callbacks=[JsonlLoggerCallback(log_file)],
     )
+    use_compact_console(trainer)  # one line per step; the full logs go to logs.jsonl
     t0 = time.perf_counter()
     trainer.train()
     elapsed = time.perf_counter() - t0

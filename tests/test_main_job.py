@@ -22,6 +22,11 @@ def test_demo_trains_two_steps(tmp_path, monkeypatch, capsys):
     records = [json.loads(line) for line in (out / "logs.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
+    # the console: one compact line per step (the dictionaries are in logs.jsonl), the first with the audit
+    step_lines = [line for line in printed if line.startswith("[rollplex-trl] step ")]
+    assert [line.split(" · ")[0] for line in step_lines] == ["[rollplex-trl] step 1/2", "[rollplex-trl] step 2/2"]
+    assert f"reward {steps[0]['reward']:.3f}" in step_lines[0] and "audit ok" in step_lines[0]
+    assert not any(line.lstrip().startswith("{'loss'") for line in printed)
     for r in steps:
         assert "reward" in r and "rewards/accuracy_reward/mean" in r and "rewards/format_reward/mean" in r
         assert "rollplex/skipped_samples" in r
@@ -60,3 +65,15 @@ def test_answer_mention_reward():
                    [{"role": "assistant", "content": "13 balls"}]]
     assert answer_mention_reward(completions, ["<answer>3</answer>", "<answer>B</answer>",
                                                "<answer>3</answer>"]) == [1.0, 1.0, 0.0]
+
+
+def test_compact_line_reads_the_logs():
+    from rollplex_trl.callbacks.console import format_step
+
+    logs = {"loss": 0.0123, "reward": 0.5, "rewards/accuracy_reward/mean": 0.25, "rewards/format_reward/mean": 0.75,
+            "kl": 0.002, "rollplex/verify_ref_logp_abs": 3e-7, "rollplex/verify_actor_grad_cos": 1.0}
+    line = format_step(logs, 3, 8, 2.5)
+    assert line == ("[rollplex-trl] step 3/8 · reward 0.500 (accuracy_reward 0.250, format_reward 0.750) · "
+                    "loss 0.0123 · kl 0.002 · 2.50 s · audit ok (max |Δ log-prob| 3.0e-07)")
+    assert "audit EXCEEDED" in format_step({**logs, "rollplex/verify_ref_logp_abs": 0.5}, 3, 8)
+    assert format_step({"loss": 1.0}, 1, 2) == "[rollplex-trl] step 1/2 · loss 1"

@@ -1,0 +1,70 @@
+"""`CompactConsole`: one short line per logged training step instead of TRL's dictionary of ~50 keys.
+
+    [rollplex-trl] step 3/8 · reward 0.250 (accuracy_reward 0.125, format_reward 0.000) · loss 0.0012 · kl 0.0031 ·
+    2.41 s · audit ok
+
+The full dictionaries still go to the trainer's log history, `logs.jsonl` (JsonlLoggerCallback) and the trackers.
+`use_compact_console(trainer)` swaps it in for transformers' progress bar and printer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from transformers import PrinterCallback, ProgressCallback, TrainerCallback
+
+from rollplex_trl.trainers.verify import GRAD_TOLERANCE, TOLERANCE
+
+
+def format_step(logs: dict[str, Any], step: int, max_steps: int, seconds: float | None = None,
+                precision: str = "fp32") -> str:
+    """The compact line of one training log."""
+    parts = [f"step {step}/{max_steps}"]
+    if "reward" in logs:
+        rewards = [(k[len("rewards/"):-len("/mean")], v) for k, v in logs.items()
+                   if k.startswith("rewards/") and k.endswith("/mean")]
+        detail = f" ({', '.join(f'{name} {value:.3f}' for name, value in rewards)})" if rewards else ""
+        parts.append(f"reward {logs['reward']:.3f}{detail}")
+    if "loss" in logs:
+        parts.append(f"loss {logs['loss']:.4g}")
+    if "kl" in logs:
+        parts.append(f"kl {logs['kl']:.4g}")
+    if seconds is not None:
+        parts.append(f"{seconds:.2f} s")
+    audited = {k: v for k, v in logs.items() if k.startswith("rollplex/verify_")}
+    if audited:
+        min_cos, max_rel = GRAD_TOLERANCE[precision]
+        ok = all(v <= TOLERANCE[precision] for k, v in audited.items() if k.endswith("logp_abs")
+                 and "sampler" not in k)
+        ok = ok and audited.get("rollplex/verify_actor_grad_cos", 1.0) >= min_cos
+        ok = ok and audited.get("rollplex/verify_actor_grad_rel", 0.0) <= max_rel
+        worst = max((v for k, v in audited.items() if k.endswith("logp_abs")), default=0.0)
+        parts.append(f"audit {'ok' if ok else 'EXCEEDED'} (max |Δ log-prob| {worst:.1e})")
+    return "[rollplex-trl] " + " · ".join(parts)
+
+
+class CompactConsole(TrainerCallback):
+    def __init__(self, precision: str = "fp32") -> None:
+        self.precision = precision
+        self._last: float | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._last = time.perf_counter()
+
+    def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs):
+        if not logs or not state.is_world_process_zero or "loss" not in logs or "train_runtime" in logs:
+            return  # training steps only (evaluation and the final summary stay in the log history)
+        now = time.perf_counter()
+        seconds = now - self._last if self._last is not None else None
+        self._last = now
+        print(format_step(logs, state.global_step, state.max_steps, seconds, self.precision), flush=True)
+
+
+def use_compact_console(trainer: Any) -> None:
+    """Replace transformers' progress bar and dictionary printer with `CompactConsole`."""
+    from rollplex_trl.trainers.verify import precision_of
+
+    for callback in (ProgressCallback, PrinterCallback):
+        trainer.remove_callback(callback)
+    trainer.add_callback(CompactConsole(precision_of(trainer.accelerator.mixed_precision)))
