@@ -15,19 +15,11 @@ def main(checkpoint: str, out: str, mode: str) -> None:
     import rollplex_trl.prefix.batch as prefix_batch
     from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 
-    from helpers import video_rows
+    from helpers import broken_take_scoring, video_rows
 
     rank = int(os.environ["RANK"])
     if mode == "fault" and rank == 1:
-        take = prefix_batch.StepPrefixes.take_scoring
-
-        def broken(self, **kwargs):
-            pre = take(self, **kwargs)
-            if pre is not None:
-                pre.state.values = [v + 1e-3 for v in pre.state.values]
-            return pre
-
-        prefix_batch.StepPrefixes.take_scoring = broken
+        prefix_batch.StepPrefixes.take_scoring = broken_take_scoring()
     warnings: list[str] = []
 
     class Collect(logging.Handler):

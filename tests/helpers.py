@@ -188,3 +188,19 @@ def run_two_processes(worker: Path, args: list[str], out: Path, pattern: str, po
     results = [json.loads(p.read_text()) for p in sorted(out.glob(pattern))]
     assert done.returncode == 0 and len(results) == 2, done.stdout[-3000:] + done.stderr[-6000:]
     return results
+
+
+def broken_take_scoring(scale: float = 1e-3):
+    """A `StepPrefixes.take_scoring` whose prefix states (built in the decode window) have their values off by
+    `scale`: a fault in the prefix jobs only, for the exactness audit's tests."""
+    from rollplex_trl.prefix.batch import StepPrefixes
+
+    take = StepPrefixes.take_scoring
+
+    def broken(self, **kwargs):
+        pre = take(self, **kwargs)
+        if pre is not None:
+            pre.state.values = [v + scale for v in pre.state.values]
+        return pre
+
+    return broken

@@ -11,7 +11,7 @@ import rollplex_trl.prefix.batch as prefix_batch
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 from rollplex_trl.trainers.verify import GRAD_TOLERANCE, TOLERANCE, audit_spec
 
-from helpers import video_rows
+from helpers import broken_take_scoring, video_rows
 
 KEYS = ("loss", "reward", "kl", "grad_norm", "entropy")
 PASSES = ("ref", "policy", "actor")
@@ -122,15 +122,7 @@ def test_audit_spec_defaults_and_refusals():
 def test_audit_names_a_broken_decode_window_prefix(tiny_vl_path, tmp_path, video_dataset, monkeypatch, caplog):
     """Only the prefixes built ahead of the scoring passes (the decode window's jobs) are wrong: re-run without them
     the pass agrees, and the report names them and the switch."""
-    take = prefix_batch.StepPrefixes.take_scoring
-
-    def broken(self, **kwargs):
-        pre = take(self, **kwargs)
-        if pre is not None:
-            pre.state.values = [v + 1e-3 for v in pre.state.values]
-        return pre
-
-    monkeypatch.setattr(prefix_batch.StepPrefixes, "take_scoring", broken)
+    monkeypatch.setattr(prefix_batch.StepPrefixes, "take_scoring", broken_take_scoring())
     with caplog.at_level(logging.WARNING, logger="rollplex_trl.trainers.verify"):
         _, logs = _train(tiny_vl_path, video_dataset, tmp_path, "window", max_steps=1)
     assert logs[0]["rollplex/verify_ref_logp_abs"] > TOLERANCE["fp32"]
