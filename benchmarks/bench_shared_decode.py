@@ -100,9 +100,10 @@ def _generate(model, inputs, rows, mode: str, C: int, caches: list | None = None
 
     generation._expanded_cache, generation._shared_cache = keep(originals[0]), keep(originals[1])
     try:
-        with torch.no_grad(), generation.shared_prefill(model, rows, shared_decode="on" if mode == "compiled" else mode,
-                                                        compile_decode="on" if mode == "compiled" else "off"):
-            return model.generate(**inputs, generation_config=config)
+        with torch.no_grad():
+            return generation.generate_with_shared_prefill(
+                model, **inputs, rows=rows, shared_decode="on" if mode == "compiled" else mode,
+                compile_decode="on" if mode == "compiled" else "off", generation_config=config)
     finally:
         generation._expanded_cache, generation._shared_cache = originals
 
@@ -124,7 +125,7 @@ def _step_fn(model, inputs, rows, mode: str, t: int):
     caches: list = []
     out = _generate(model, inputs, rows, "on" if mode == "compiled" else mode, 1, caches)
     cache, backbone = caches[-1], model.base_model
-    deltas = backbone.rope_deltas  # generate's M-RoPE deltas for these rows (shared_prefill sets them)
+    deltas = backbone.rope_deltas  # generate's M-RoPE deltas for these rows (generate_with_shared_prefill sets them)
     switch = (lambda: shared_decode.decoding_with(model, cache)) if mode in ("on", "compiled") \
         else contextlib.nullcontext
     gen = torch.Generator().manual_seed(0)
