@@ -1,9 +1,9 @@
 """Benchmark: shared-prefix decoding vs today's shared prefill (expanded cache), side by side in one run.
 
-For each (G, prompt share) it builds U video prompts on the `small` local Qwen2.5-VL (random frames through the
-real processor), repeats each G times as TRL's rollout does, and runs transformers' `generate` inside
-`shared_prefill` twice on the same inputs: `shared_decode="off"` (each prompt prefilled once, its K/V copied to the
-G rows: today's path) and `"on"` (the prompt's K/V held once, cascade attention). It reports
+For each (G, prompt share) it builds U video prompts on the `small` local Qwen2.5-VL (random frames through the real
+processor), repeats each G times as TRL's rollout does, and runs transformers' `generate` through
+`generate_with_shared_prefill` twice on the same inputs: `shared_decode="off"` (each prompt prefilled once, its K/V
+copied to the G rows: today's path) and `"on"` (the prompt's K/V held once, cascade attention). It reports
 - decode time per step: one decode forward (the model step `generate` runs per token: cache read and append,
   attention, MLP, LM head) at the middle of the completion (cache after C/2 tokens: the mean step, as a step's cost
   grows linearly with the position), the two paths alternating step by step (each step is undone with `crop`), the

@@ -7,6 +7,8 @@ What lives here, each with why:
 - imports from inside TRL modules (not part of `trl`'s public namespace);
 - `TRL_OVERRIDES`: the private methods `RollplexGRPOTrainer` overrides, with the parameters it relies on;
 - accessors for private attributes of TRL's trainer and of its vLLM generation object;
+- the pieces of TRL's regular generation the transformers engine re-implements (rollout/transformers_rollout.py),
+  and the hash of that branch's source that pins it;
 - the trainer that runs a callback (a call-stack search: transformers never hands callbacks their trainer);
 - transformers' cache classes the prefix caches subclass, with the attributes and methods they rely on;
 - the runtime patches: building our vLLM generation object where TRL builds its own, wrapping TRL's `_generate` in a
