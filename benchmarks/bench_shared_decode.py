@@ -1,9 +1,9 @@
 """Benchmark: shared-prefix decoding vs today's shared prefill (expanded cache), side by side in one run.
 
-For each (G, prompt share) it builds U video prompts on the `small` local Qwen2.5-VL (random frames through the
-real processor), repeats each G times as TRL's rollout does, and runs transformers' `generate` inside
-`shared_prefill` twice on the same inputs: `shared_decode="off"` (each prompt prefilled once, its K/V copied to the
-G rows: today's path) and `"on"` (the prompt's K/V held once, cascade attention). It reports
+For each (G, prompt share) it builds U video prompts on the `small` local Qwen2.5-VL (random frames through the real
+processor), repeats each G times as TRL's rollout does, and runs transformers' `generate` through
+`generate_with_shared_prefill` twice on the same inputs: `shared_decode="off"` (each prompt prefilled once, its K/V
+copied to the G rows: today's path) and `"on"` (the prompt's K/V held once, cascade attention). It reports
 - decode time per step: one decode forward (the model step `generate` runs per token: cache read and append,
   attention, MLP, LM head) at the middle of the completion (cache after C/2 tokens: the mean step, as a step's cost
   grows linearly with the position), the two paths alternating step by step (each step is undone with `crop`), the
@@ -100,9 +100,10 @@ def _generate(model, inputs, rows, mode: str, C: int, caches: list | None = None
 
     generation._expanded_cache, generation._shared_cache = keep(originals[0]), keep(originals[1])
     try:
-        with torch.no_grad(), generation.shared_prefill(model, rows, shared_decode="on" if mode == "compiled" else mode,
-                                                        compile_decode="on" if mode == "compiled" else "off"):
-            return model.generate(**inputs, generation_config=config)
+        with torch.no_grad():
+            return generation.generate_with_shared_prefill(
+                model, **inputs, rows=rows, shared_decode="on" if mode == "compiled" else mode,
+                compile_decode="on" if mode == "compiled" else "off", generation_config=config)
     finally:
         generation._expanded_cache, generation._shared_cache = originals
 
@@ -124,7 +125,7 @@ def _step_fn(model, inputs, rows, mode: str, t: int):
     caches: list = []
     out = _generate(model, inputs, rows, "on" if mode == "compiled" else mode, 1, caches)
     cache, backbone = caches[-1], model.base_model
-    deltas = backbone.rope_deltas  # generate's M-RoPE deltas for these rows (shared_prefill sets them)
+    deltas = backbone.rope_deltas  # generate's M-RoPE deltas for these rows (generate_with_shared_prefill sets them)
     switch = (lambda: shared_decode.decoding_with(model, cache)) if mode in ("on", "compiled") \
         else contextlib.nullcontext
     gen = torch.Generator().manual_seed(0)

@@ -7,6 +7,8 @@ What lives here, each with why:
 - imports from inside TRL modules (not part of `trl`'s public namespace);
 - `TRL_OVERRIDES`: the private methods `RollplexGRPOTrainer` overrides, with the parameters it relies on;
 - accessors for private attributes of TRL's trainer and of its vLLM generation object;
+- the pieces of TRL's regular generation the transformers engine re-implements (rollout/transformers_rollout.py),
+  and the hash of that branch's source that pins it;
 - the trainer that runs a callback (a call-stack search: transformers never hands callbacks their trainer);
 - transformers' cache classes the prefix caches subclass, with the attributes and methods they rely on;
 - the runtime patches: building our vLLM generation object where TRL builds its own, wrapping TRL's `_generate` in a
@@ -165,6 +167,68 @@ def generation_prompt_tensors(trainer: Any, prompt_ids: list[list[int]]) -> tupl
                pad_to_multiple_of=multiple)
     device = trainer.accelerator.device
     return ids.to(device), mask.to(device)
+
+
+# TRL's regular (transformers) generation branch of `GRPOTrainer._generate_single_turn`, re-implemented by
+# rollout/transformers_rollout.py with the shared prefill called directly (no patch of `generate`). The sha256 of
+# that branch's source (from its `else:` to the method's return) pins it: tests/test_trl_compat.py fails when a TRL
+# upgrade changes it, and then the engine's steps (padding, multimodal fields, `_prepare_inputs`, the generation
+# context, the EOS mask) are re-checked against the new branch and the hash updated.
+TRL_REGULAR_GENERATION_SHA256 = "0c27d37e3243e3cbb724f0818e27c6c6922fd2362b43b5a9a8f0da423da7852f"
+
+
+def regular_generation_source() -> str:
+    """The source of TRL's regular-generation branch of `_generate_single_turn` (what TRL_REGULAR_GENERATION_SHA256
+    pins): from `else:` before "Regular generation path" to `return completion_ids, logprobs`."""
+    source = inspect.getsource(trl.GRPOTrainer._generate_single_turn)
+    start = source.index("        else:\n            # Regular generation path")
+    end = source.index("return completion_ids, logprobs", start) + len("return completion_ids, logprobs")
+    return source[start:end]
+
+
+def pad_left(trainer: Any, tensors: list[torch.Tensor], padding_value: int) -> torch.Tensor:
+    """TRL's left padding of the generation inputs (`pad(..., padding_side="left", pad_to_multiple_of=...)`)."""
+    from trl.trainer.utils import pad
+
+    return pad(tensors, padding_value=padding_value, padding_side="left", pad_to_multiple_of=trainer.pad_to_multiple_of)
+
+
+def prepare_generation_inputs(trainer: Any, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What TRL's `super()._prepare_inputs(generate_inputs)` does in `_generate_single_turn`: the Trainer's own
+    `_prepare_inputs` (tensors to the device), not GRPOTrainer's override (which buffers generations)."""
+    return super(trl.GRPOTrainer, trainer)._prepare_inputs(inputs)
+
+
+@contextlib.contextmanager
+def generation_model(trainer: Any) -> Iterator[torch.nn.Module]:
+    """The contexts TRL's regular generation runs `generate` in, yielding the model to call: the profiling of
+    "transformers.generate", `unwrap_model_for_generation` with TRL's arguments, no_grad and the distributed
+    backend's `summon_full_params`."""
+    from trl.models import unwrap_model_for_generation
+
+    with (
+        profiling_context(trainer, "transformers.generate"),
+        unwrap_model_for_generation(
+            trainer.model_wrapped,
+            trainer.accelerator,
+            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+            generation_kwargs=trainer.generation_kwargs,
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+        ) as unwrapped_model,
+        torch.no_grad(),
+        trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
+    ):
+        yield unwrapped_model
+
+
+def generation_config(trainer: Any) -> Any:
+    """The GenerationConfig TRL passes to `generate` (built from GRPOConfig's sampling options)."""
+    return trainer.generation_config
+
+
+def eos_token_ids(trainer: Any) -> list[int]:
+    """The token ids that end a completion (TRL masks everything after the first one)."""
+    return trainer.eos_token_ids
 
 
 def pad_token_id(trainer: Any) -> int:

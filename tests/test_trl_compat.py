@@ -235,3 +235,18 @@ def test_trainer_running_callback_finds_the_trainer_a_few_frames_up():
     assert loop.train() is loop
     assert trl_compat.trainer_running_callback(callback) is None  # not called from inside a trainer
     assert trl_compat.trainer_running_callback(object(), max_frames=1) is None
+
+
+def test_trls_regular_generation_branch_is_the_one_the_transformers_engine_re_implements():
+    """rollout/transformers_rollout.py re-implements the regular-generation branch of TRL's `_generate_single_turn`
+    (with the shared prefill called directly): a TRL that changes that branch must be re-read before it is trusted."""
+    import hashlib
+
+    source = trl_compat.regular_generation_source()
+    assert source.lstrip().startswith("else:") and "Regular generation path" in source
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    assert digest == trl_compat.TRL_REGULAR_GENERATION_SHA256, (
+        f"TRL {trl.__version__} changed the regular-generation branch of GRPOTrainer._generate_single_turn (sha256 "
+        f"{digest}). Re-check rollout/transformers_rollout.py `TransformersRollout` against it (padding, multimodal "
+        "fields, _prepare_inputs, unwrap_model_for_generation's arguments, the generate call and its config, the "
+        "EOS mask) and trl_compat's generation helpers, then update trl_compat.TRL_REGULAR_GENERATION_SHA256.")

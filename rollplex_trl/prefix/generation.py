@@ -1,11 +1,11 @@
 """Shared prefill for transformers' `generate`: each prompt's prefill runs once, its G samples decode from a copy.
 
-TRL's transformers rollout calls `model.generate` on R = U*G rows, so the prompt (vision tower included) is
-prefilled G times. Here `generate` is wrapped for the duration of TRL's call: the wrapper prefills the U unique
-prompts once with `prefix_forward` (K/V of prompt[:, :-1], the same positions HF's own prefill uses), expands the
-cache to the R rows, and lets HF's `generate` continue from it. HF then runs only the last prompt token before
-sampling, exactly as when it continues generation from past key/values, so the sampling loop, its random draws and
-TRL's post-processing are unchanged.
+`generate` on R = U*G rows prefills each prompt (vision tower included) G times. `generate_with_shared_prefill`
+(called by the transformers rollout engine, rollout/transformers_rollout.py) prefills the U unique prompts once with
+`prefix_forward` (K/V of prompt[:, :-1], the same positions HF's own prefill uses; `prefill_cache`), expands the
+cache to the R rows, and calls HF's `generate` with that cache and without the vision inputs. HF then runs only the
+last prompt token before sampling, exactly as when it continues generation from past key/values, so the sampling
+loop and its random draws are unchanged. Nothing is patched: `model.generate` is the class's throughout.
 
 A training backend whose policy is not the decoding model (Megatron) prefills with its policy instead
 (`BackendPrefill`): the decode reads that K/V, cast to the dtypes the decoding model caches.
@@ -44,6 +44,8 @@ from rollplex_trl.prefix.state import PrefixState
 _VISION_KWARGS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
                   "mm_token_type_ids")
 
+ContextFactory = Callable[[], contextlib.AbstractContextManager]
+
 
 @dataclass
 class PrefillForActor:
@@ -63,9 +65,10 @@ class PrefillForActor:
 
 @dataclass(frozen=True)
 class BackendPrefill:
-    """A training backend's prefill for the transformers rollout (`shared_prefill(prefill=)`), in place of the
-    decoding model's own: the backend's policy computes the same K/V at the same weights, and a prefill kept for the
-    actor window then is that backend's actor prefix (Megatron: backends/megatron/backend.py `rollout_prefill`).
+    """A training backend's prefill for the transformers rollout (`generate_with_shared_prefill(prefill=)`), in
+    place of the decoding model's own: the backend's policy computes the same K/V at the same weights, and a prefill
+    kept for the actor window then is that backend's actor prefix (Megatron: backends/megatron/backend.py
+    `rollout_prefill`).
 
     `run(prompt_ids (U, P), prompt_mask, rows or None, *, keep_graph)`: this process's `PrefixState` of the unique
     prompts' prompt[:, :-1] (RoPE applied; `last_positions` the decode continues from), the actor's prefix when
@@ -182,18 +185,88 @@ def _use_shared_decode(mode: str, causal_lm: torch.nn.Module, kwargs: dict, num_
     return False
 
 
-@contextlib.contextmanager
-def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None,
-                   on_prefill=None, decode_window=None, shared_decode: str = "off",
-                   num_generations: int | None = None, for_actor: PrefillForActor | None = None,
-                   compile_decode: str = "off",
-                   forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                   decode_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                   prefill: BackendPrefill | None = None) -> Iterator[None]:
-    """Inside the block, `model.generate(input_ids, attention_mask, ...)` prefills each unique prompt once.
+@dataclass
+class PrefilledCache:
+    """A generate call's prefill, ready for HF's decode (`prefill_cache`): the cache `generate` continues from."""
 
-    `rows` are the generation batch's prepared prompts (None for text-only prompts, grouped by their tokens).
-    `on_prefill(rows, unique_prompts)` is called after each shared prefill (for metrics). `decode_window(input_ids,
+    cache: DynamicCache | sd.SharedPrefixCache
+    shared: bool  # the shared-prefix cache (prefix/shared_decode.py), else the expanded one
+    compiled: bool  # decode steps through the compiled forward (prefix/compiled_decode.py)
+    unique_prompts: int
+
+
+def prefill_cache(causal_lm: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  rows: Sequence[PreparedPrompt] | None, generate_kwargs: dict, *, shared_decode: str = "off",
+                  num_generations: int | None = None, for_actor: PrefillForActor | None = None,
+                  compile_decode: str = "off",
+                  forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                  prefill: BackendPrefill | None = None) -> PrefilledCache:
+    """Prefill each unique prompt of the R = U*G rows once and build the decode cache of the R rows: expanded (the
+    prompt K/V copied to every row) or, per `shared_decode`, shared (held once per prompt). Sets the backbone's
+    M-RoPE deltas for HF's decode steps. `generate_kwargs`: what the decode's `generate` gets besides the ids, mask
+    and cache (read, not changed: the generation config decides the shared cache's capacity)."""
+    state, groups = prefill_for_rollout(prefill or _transformers_prefill(causal_lm), input_ids, attention_mask,
+                                        rows, for_actor=for_actor, forward_context=forward_context)
+    dtypes = None
+    if prefill is not None:
+        # another backend's kernels may leave K/V in other dtypes than the decoding model caches (Megatron's
+        # V stays fp32 under autocast): the cache takes the decoding model's (its own prefill's are those)
+        with forward_context():
+            dtypes = decode_kv_dtypes(causal_lm)
+    rows_per_prompt = num_generations or input_ids.size(0) // max(1, len(groups.first_row))
+    shared = _use_shared_decode(shared_decode, causal_lm, generate_kwargs, rows_per_prompt)
+    compiled = compiled_decode.use_compiled_decode(compile_decode, shared)
+    width = input_ids.size(1)
+    if shared:
+        capacity = sd.expected_suffix_length(causal_lm, generate_kwargs, width)
+        cache = _shared_cache(state, groups, width, capacity, dtypes)
+    else:
+        cache = _expanded_cache(state, groups, width, dtypes)
+    deltas = _rope_deltas(state, groups, attention_mask)
+    if deltas is not None:
+        causal_lm.base_model.rope_deltas = deltas
+    return PrefilledCache(cache=cache, shared=shared, compiled=compiled, unique_prompts=len(groups.first_row))
+
+
+def without_vision(generate_kwargs: dict) -> dict:
+    """The decode's `generate` arguments without the vision inputs: all vision tokens are in the prefilled cache, HF
+    must not encode them again."""
+    return {k: v for k, v in generate_kwargs.items() if k not in _VISION_KWARGS}
+
+
+@contextlib.contextmanager
+def decoding(causal_lm: torch.nn.Module, prefilled: PrefilledCache, window: contextlib.AbstractContextManager,
+             forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+             decode_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+             ) -> Iterator[None]:
+    """The contexts HF's decode from `prefilled` runs in: the decode `window` (overlap prefix jobs), the
+    shared-prefix decode, the compiled decode step, the model's forward context and `decode_context()`."""
+    decoding_ = sd.decoding_with(causal_lm, prefilled.cache) if prefilled.shared else contextlib.nullcontext()
+    step = (compiled_decode.compiled_decoding(causal_lm, sd.decoding_on_this_thread) if prefilled.compiled
+            else contextlib.nullcontext())
+    # One autocast around all decode steps (the model's wrapped forward enters its own at every step, nested in
+    # this one): autocast then casts each weight to bf16 once per generate call instead of once per step, the
+    # same values. It closes before the window's serial prefix jobs run (exits go in reverse order): a cast
+    # cached under no_grad has no graph, and the actor's job needs one (autocast state is per thread, so the
+    # concurrent jobs on the worker thread never see this cache)
+    with window, decoding_, step, forward_context(), decode_context():
+        yield
+    if prefilled.shared:
+        prefilled.cache.check_used()
+
+
+def generate_with_shared_prefill(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                 rows: Sequence[PreparedPrompt] | None = None, *, on_prefill=None,
+                                 decode_window=None, shared_decode: str = "off", num_generations: int | None = None,
+                                 for_actor: PrefillForActor | None = None, compile_decode: str = "off",
+                                 forward_context: ContextFactory = contextlib.nullcontext,
+                                 decode_context: ContextFactory = contextlib.nullcontext,
+                                 prefill: BackendPrefill | None = None, **generate_kwargs):
+    """`model.generate(input_ids=, attention_mask=, **generate_kwargs)` with each unique prompt prefilled once: the
+    prefill (`prefill_cache`), then HF's `generate` from that cache, without the vision inputs, inside `decoding`.
+
+    `rows` are the batch's prepared prompts (None for text-only prompts, grouped by their tokens).
+    `on_prefill(rows, unique_prompts)` is called after the prefill (for metrics). `decode_window(input_ids,
     attention_mask)`, a context manager factory, wraps the decoding itself (the overlap runs prefix work inside it).
     `shared_decode` ("auto", "on", "off"): decode with the prompt's K/V held once per prompt (shared_decode.py)
     instead of copied to every row; "auto" decides by `num_generations` (G; the batch's rows per prompt if None).
@@ -206,54 +279,12 @@ def shared_prefill(model: torch.nn.Module, rows: Sequence[PreparedPrompt] | None
     model's own layers.
     """
     causal_lm = unwrap_model(model)
-    original = causal_lm.generate  # the bound method (instance attribute lookups fall back to the class)
-
-    def generate(input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
-        state, groups = prefill_for_rollout(prefill or _transformers_prefill(causal_lm), input_ids, attention_mask,
-                                            rows, for_actor=for_actor, forward_context=forward_context)
-        dtypes = None
-        if prefill is not None:
-            # another backend's kernels may leave K/V in other dtypes than the decoding model caches (Megatron's
-            # V stays fp32 under autocast): the cache takes the decoding model's (its own prefill's are those)
-            with forward_context():
-                dtypes = decode_kv_dtypes(causal_lm)
-        rows_per_prompt = num_generations or input_ids.size(0) // max(1, len(groups.first_row))
-        shared = _use_shared_decode(shared_decode, causal_lm, kwargs, rows_per_prompt)
-        compiled = compiled_decode.use_compiled_decode(compile_decode, shared)
-        width = input_ids.size(1)
-        if shared:
-            capacity = sd.expected_suffix_length(causal_lm, kwargs, width)
-            cache = _shared_cache(state, groups, width, capacity, dtypes)
-        else:
-            cache = _expanded_cache(state, groups, width, dtypes)
-        deltas = _rope_deltas(state, groups, attention_mask)
-        unique = len(groups.first_row)
-        del state  # its K/V live on in the cache (and in `for_actor.into.actor`)
-        for key in _VISION_KWARGS:  # all vision tokens are in the cache now: HF must not encode them again
-            kwargs.pop(key, None)
-        backbone = causal_lm.base_model
-        if deltas is not None:
-            backbone.rope_deltas = deltas
-        if on_prefill is not None:
-            on_prefill(input_ids.size(0), unique)
-        window = decode_window(input_ids, attention_mask) if decode_window is not None else contextlib.nullcontext()
-        decoding = sd.decoding_with(causal_lm, cache) if shared else contextlib.nullcontext()
-        step = (compiled_decode.compiled_decoding(causal_lm, sd.decoding_on_this_thread) if compiled
-                else contextlib.nullcontext())
-        # One autocast around all decode steps (the model's wrapped forward enters its own at every step, nested in
-        # this one): autocast then casts each weight to bf16 once per generate call instead of once per step, the
-        # same values. It closes before the window's serial prefix jobs run (exits go in reverse order): a cast
-        # cached under no_grad has no graph, and the actor's job needs one (autocast state is per thread, so the
-        # concurrent jobs on the worker thread never see this cache)
-        with window, decoding, step, forward_context(), decode_context():
-            output = original(input_ids=input_ids, attention_mask=attention_mask, **{cache_kwarg(causal_lm): cache},
-                              **kwargs)
-        if shared:
-            cache.check_used()
-        return output
-
-    causal_lm.generate = generate
-    try:
-        yield
-    finally:
-        del causal_lm.generate  # back to the class's method
+    prefilled = prefill_cache(causal_lm, input_ids, attention_mask, rows, generate_kwargs,
+                              shared_decode=shared_decode, num_generations=num_generations, for_actor=for_actor,
+                              compile_decode=compile_decode, forward_context=forward_context, prefill=prefill)
+    if on_prefill is not None:
+        on_prefill(input_ids.size(0), prefilled.unique_prompts)
+    window = decode_window(input_ids, attention_mask) if decode_window is not None else contextlib.nullcontext()
+    with decoding(causal_lm, prefilled, window, forward_context, decode_context):
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                              **{cache_kwarg(causal_lm): prefilled.cache}, **without_vision(generate_kwargs))

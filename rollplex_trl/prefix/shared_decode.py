@@ -1,9 +1,9 @@
 """Shared-prefix decoding for transformers' `generate`: the prompt's K/V held once per group, not once per row.
 
-`shared_prefill` (generation.py) prefills each unique prompt once. Without this module it then copies the prompt's
-K/V to the R = U*G rows, and every decode step reads the whole prompt once per completion. Here HF's `generate`
-stays the loop (sampling, logits processors, stopping criteria, EOS handling and TRL's post-processing unchanged);
-only two things are swapped for the duration of the call:
+`generate_with_shared_prefill` (generation.py) prefills each unique prompt once. Without this module it then copies
+the prompt's K/V to the R = U*G rows, and every decode step reads the whole prompt once per completion. Here HF's
+`generate` stays the loop (sampling, logits processors, stopping criteria, EOS handling and TRL's post-processing
+unchanged); only two things are swapped for the duration of the call:
 
 - the cache: `SharedPrefixCache`, whose layers hold the U prompts' K/V, a row -> prompt index, and each row's own
   K/V (its last prompt token and completion so far) in a preallocated buffer. To HF it looks like a cache of

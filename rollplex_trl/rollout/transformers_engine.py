@@ -1,9 +1,10 @@
 """The transformers rollout behind the same interface as vLLM: `model.generate` with n samples per prompt.
 
-A test helper: nothing in the package builds it. The trainer's transformers path stays TRL's own generate call (with
-the shared prefill of prefix/generation.py); the tests use this engine as the sampler of their stand-in vLLM engine
-(tests/vllm_cpu/vllm_helpers.py) and to check vLLM-style media requests against transformers. The engine *is* the
-model it was given, so weight sync is a no-op and there is nothing to sleep.
+A test helper: nothing in the package builds it. The trainer's transformers rollout engine is
+rollout/transformers_rollout.py `TransformersRollout` (TRL's regular generation with the shared prefill); the tests
+use this engine as the sampler of their stand-in vLLM engine (tests/vllm_cpu/vllm_helpers.py) and to check
+vLLM-style media requests against transformers. The engine *is* the model it was given, so weight sync is a no-op
+and there is nothing to sleep.
 
 Given the model's processor, it also takes vLLM-style image and video requests (rollout/requests.py,
 data/framed.py): the prompt ids with their placeholders already expanded, plus the frames and images. It processes

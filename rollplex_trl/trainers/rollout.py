@@ -4,9 +4,10 @@
 `generate` calls (backends/base.py). Each starts the step's `StepPrefixes` and then:
 
 - with vLLM: the engine decodes (rollout/trl_vllm.py) inside the decode window;
-- with transformers' `generate`: the **shared prefill** (prefix/generation.py) prefills each unique prompt once for
-  its G samples, keeps it for the actor window where the actor's prefix is due at these weights (`PrefillForActor`),
-  and opens the decode window around the decode steps;
+- with transformers: the engine `TransformersRollout` (rollout/transformers_rollout.py) runs TRL's generation with
+  the **shared prefill** (prefix/generation.py): each unique prompt prefilled once for its G samples, kept for the
+  actor window where the actor's prefix is due at these weights (`PrefillForActor`), the decode window opened
+  around the decode steps;
 - otherwise (continuous batching, beams, TRL's own image path): TRL's `_generate_single_turn`, unchanged.
 
 The **decode window** runs the prefix jobs (overlap/schedule.py `PrefixJobs`: reference, old policy, actor) at the
@@ -30,7 +31,8 @@ from rollplex_trl import trl_compat
 from rollplex_trl.data.prompt import PreparedPrompt, generation_fields
 from rollplex_trl.overlap import PrefixJobs
 from rollplex_trl.prefix.batch import StepPrefixes
-from rollplex_trl.prefix.generation import BackendPrefill, PrefillForActor, prefill_for_rollout, shared_prefill
+from rollplex_trl.prefix.generation import BackendPrefill, PrefillForActor, prefill_for_rollout
+from rollplex_trl.rollout.transformers_rollout import TransformersRollout
 
 # TRL's `_generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)`
 TrlGenerate = Callable[..., Any]
@@ -39,6 +41,7 @@ TrlGenerate = Callable[..., Any]
 class TrainerRollout:
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
+        self.transformers = TransformersRollout(trainer)  # the transformers rollout engine
 
     # ---- the two sides of a rollout ------------------------------------------------------------------------------
 
@@ -67,14 +70,11 @@ class TrainerRollout:
         for_actor = PrefillForActor(wanted=self.actor_from_prefill, into=t.batch.prefixes,
                                     checkpointing=checkpointing)
         window = self.decode_window(rows, checkpointing)
-        # the prefill runs in the autocast accelerate wraps the model's forward in, as TRL's `generate` does
-        with shared_prefill(t.accelerator.unwrap_model(t.model), rows, on_prefill=log,
-                            decode_window=pool.window(window) if pool is not None else window,
-                            shared_decode=t.rollplex["rollplex_shared_decode"], num_generations=num_generations,
-                            for_actor=for_actor, compile_decode=t.rollplex["rollplex_compile_decode"],
-                            forward_context=t.accelerator.autocast, decode_context=self.decode_weight_casts,
-                            prefill=self.backend_prefill()):
-            return trl_generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        completion_ids = self.transformers.generate(
+            prompt_ids, rows, num_generations, multimodal_fields=multimodal_fields, on_prefill=log,
+            decode_window=pool.window(window) if pool is not None else window, for_actor=for_actor,
+            **self.engine_options())
+        return completion_ids, None  # TRL's regular generation keeps no sampling log-probs either
 
     def peer(self, prompt_ids: list[list[int]], images: Any, num_generations: int, has_tool_images: bool,
              pool: Any) -> None:
@@ -105,7 +105,7 @@ class TrainerRollout:
     def extra_samples(self, prompt_ids: list[list[int]], rows: list[PreparedPrompt], num_generations: int,
                       trl_generate: TrlGenerate) -> list[list[int]]:
         """Completion ids for extra rows sampled at the same weights after the step's rollout (T-GRPO's shuffled
-        copies, trainers/temporal.py): the same engine (vLLM, or transformers' `generate` with the shared prefill and
+        copies, trainers/temporal.py): the same engine (vLLM, or `TransformersRollout` with the shared prefill and
         shared-prefix decode), but no decode window, no prefix jobs and no prefix kept for the actor: these rows are
         scored, never trained on. The engine's weights are already this step's (the rollout just synced them)."""
         t = self.trainer
@@ -118,12 +118,8 @@ class TrainerRollout:
             return completion_ids
         if not self.takes_shared_prefill(None, rows, num_generations, False):
             return trl_generate(prompt_ids, None, fields, num_generations, False)[0]
-        with shared_prefill(t.accelerator.unwrap_model(t.model), rows, num_generations=num_generations,
-                            shared_decode=t.rollplex["rollplex_shared_decode"],
-                            compile_decode=t.rollplex["rollplex_compile_decode"],
-                            forward_context=t.accelerator.autocast, decode_context=self.decode_weight_casts,
-                            prefill=self.backend_prefill()):
-            return trl_generate(prompt_ids, None, fields, num_generations, False)[0]
+        return self.transformers.generate(prompt_ids, rows, num_generations, multimodal_fields=fields,
+                                          **self.engine_options())
 
     # ---- decisions ------------------------------------------------------------------------------------------------
 
@@ -144,9 +140,16 @@ class TrainerRollout:
         return (t.model.training and t.actor_window is not None and t.phase_memory is None
                 and t.backend.prefill_serves_actor(training=t.model.training) and self.policy_prefix_jobs().actor)
 
+    def engine_options(self) -> dict[str, Any]:
+        """The transformers engine's options that every rollout of this trainer shares."""
+        t = self.trainer
+        return {"shared_decode": t.rollplex["rollplex_shared_decode"],
+                "compile_decode": t.rollplex["rollplex_compile_decode"], "decode_context": self.decode_weight_casts,
+                "prefill": self.backend_prefill()}
+
     def backend_prefill(self) -> BackendPrefill | None:
-        """How the transformers rollout prefills (`shared_prefill(prefill=)`): None for the decoding model's own
-        layers; on the Megatron backend its policy's prefix pass where that applies."""
+        """How the transformers rollout prefills (`generate_with_shared_prefill(prefill=)`): None for the decoding
+        model's own layers; on the Megatron backend its policy's prefix pass where that applies."""
         return self.trainer.backend.rollout_prefill(training=self.trainer.model.training)
 
     def decode_weight_casts(self) -> contextlib.AbstractContextManager:
@@ -164,7 +167,7 @@ class TrainerRollout:
 
     def decode_window(self, rows: list[PreparedPrompt] | None, checkpointing: Callable | None = None
                       ) -> Callable | None:
-        """The decode-window context for `shared_prefill` / the vLLM rollout, or None without an overlap schedule.
+        """The decode-window context for the transformers / vLLM rollout, or None without an overlap schedule.
         `checkpointing`: a `training_checkpointing()` taken before generation (taken here if None)."""
         t = self.trainer
         if t.overlap is None:

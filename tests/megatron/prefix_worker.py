@@ -228,7 +228,7 @@ def rollout_prefill_checks(path, policy, record) -> None:
     greedy tokens as HF's `generate` (the rollout model is this rank's full transformers copy)."""
     from transformers import GenerationConfig
 
-    from rollplex_trl.prefix.generation import shared_prefill
+    from rollplex_trl.prefix.generation import generate_with_shared_prefill
 
     hf = mw.load_hf(path).eval()
     rows, inputs = video_generate_inputs(path, 2)
@@ -252,8 +252,8 @@ def rollout_prefill_checks(path, policy, record) -> None:
             return decoded[-1]
 
         prefill = dataclasses.replace(prefill, for_decode=recording)
-        with torch.no_grad(), shared_prefill(hf, rows, prefill=prefill):
-            ours = hf.generate(**inputs, generation_config=config)
+        with torch.no_grad():
+            ours = generate_with_shared_prefill(hf, **inputs, rows=rows, prefill=prefill, generation_config=config)
         (state,) = decoded
         width = state.keys[0].size(2)
         errors.append(max(max((k - layer.keys[:, :, -width:]).abs().max().item(),

@@ -229,19 +229,20 @@ def test_text_model_qwen2_one_d_rope(one_process, tiny_qwen2_path):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("shared_decode", ["off", "on"])
 def test_rollout_decodes_from_the_policy_prefill(one_process, tiny_vl_path, monkeypatch, precision, shared_decode):
-    """The transformers rollout decoding from the Megatron policy's prefix K/V (`shared_prefill(prefill=)`, what
-    the trainer does at t = 1) against HF's own `generate` on the same weights: two video prompts of different
-    lengths (left-padded rows), G = 3, the prompt's K/V expanded or shared. fp32: the same greedy tokens, and the
-    K/V equal HF's prefill (`past_key_values` of prompt[:, :-1]) within 1e-5. bf16 (the trainer's autocast, which
-    the prefill runs in as TRL's generate does): the K/V in HF's dtype, within bf16 rounding of HF's, and the first
-    decode step's logits within 2e-2 of HF's. t = 2: prefix_worker.py ("rollout prefill, KV heads gathered")."""
+    """The transformers rollout decoding from the Megatron policy's prefix K/V
+    (`generate_with_shared_prefill(prefill=)`, what the trainer does at t = 1) against HF's own `generate` on the
+    same weights: two video prompts of different lengths (left-padded rows), G = 3, the prompt's K/V expanded or
+    shared. fp32: the same greedy tokens, and the K/V equal HF's prefill (`past_key_values` of prompt[:, :-1])
+    within 1e-5. bf16 (the trainer's autocast, which the prefill runs in as TRL's generate does): the K/V in HF's
+    dtype, within bf16 rounding of HF's, and the first decode step's logits within 2e-2 of HF's. t = 2:
+    prefix_worker.py ("rollout prefill, KV heads gathered")."""
     import contextlib
 
     from transformers import GenerationConfig
 
     from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel
     from rollplex_trl.prefix import generation
-    from rollplex_trl.prefix.generation import shared_prefill
+    from rollplex_trl.prefix.generation import generate_with_shared_prefill
 
     hf = mw.load_hf(tiny_vl_path).eval()
     policy = MegatronPolicy(hf, init_model_parallel(1))
@@ -261,9 +262,9 @@ def test_rollout_decodes_from_the_policy_prefill(one_process, tiny_vl_path, monk
                              for k, v in unique.items()}, use_cache=True).past_key_values
         plain = hf.generate(**inputs, generation_config=config)
     states = record_prefill_states(monkeypatch)
-    with torch.no_grad(), shared_prefill(hf, rows, shared_decode=shared_decode, forward_context=autocast,
-                                         prefill=prefill):
-        ours = hf.generate(**inputs, generation_config=config)
+    with torch.no_grad():
+        ours = generate_with_shared_prefill(hf, **inputs, rows=rows, shared_decode=shared_decode,
+                                            forward_context=autocast, prefill=prefill, generation_config=config)
     (state,) = states
     width = state.keys[0].size(2)
     with autocast():  # what the decode cache holds: Megatron's K/V cast to the dtypes HF's own prefill caches
@@ -299,7 +300,7 @@ def test_rollout_decodes_text_prompts_from_the_policy_prefill(one_process, tiny_
     from transformers import AutoTokenizer, GenerationConfig
 
     from rollplex_trl.backends.megatron import MegatronPolicy, init_model_parallel
-    from rollplex_trl.prefix.generation import shared_prefill
+    from rollplex_trl.prefix.generation import generate_with_shared_prefill
 
     hf = mw.load_hf(tiny_vl_path).eval()
     policy = MegatronPolicy(hf, init_model_parallel(1))
@@ -311,7 +312,6 @@ def test_rollout_decodes_text_prompts_from_the_policy_prefill(one_process, tiny_
     seen = []
     with torch.no_grad():
         plain = hf.generate(**enc, generation_config=config)
-        with shared_prefill(hf, None, on_prefill=lambda rows, unique: seen.append((rows, unique)),
-                            prefill=pw.rollout_prefill(policy)):
-            ours = hf.generate(**enc, generation_config=config)
+        ours = generate_with_shared_prefill(hf, **enc, on_prefill=lambda rows, unique: seen.append((rows, unique)),
+                                            prefill=pw.rollout_prefill(policy), generation_config=config)
     assert seen == [(6, 2)] and torch.equal(ours, plain)

@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 from transformers import AutoProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2ForCausalLM
 
 import rollplex_trl.prefix.compiled_decode as compiled_decode
-from rollplex_trl.prefix.generation import shared_prefill
+from rollplex_trl.prefix.generation import generate_with_shared_prefill
 
 
 @pytest.fixture()
@@ -47,8 +47,8 @@ def _generate(model, inputs, rows, config, *, compile_decode, seed=5):
     with torch.no_grad():
         if compile_decode is None:
             return model.generate(**inputs, generation_config=config)
-        with shared_prefill(model, rows, shared_decode="on", compile_decode=compile_decode):
-            return model.generate(**inputs, generation_config=config)
+        return generate_with_shared_prefill(model, **inputs, rows=rows, shared_decode="on",
+                                            compile_decode=compile_decode, generation_config=config)
 
 
 def _text(tiny_qwen2_path):
@@ -124,8 +124,8 @@ def test_other_threads_run_the_eager_forward(tiny_qwen2_path, backend):
 def test_on_needs_shared_decoding_and_auto_is_off(tiny_qwen2_path):
     model, enc = _text(tiny_qwen2_path)
     with torch.no_grad(), pytest.raises(ValueError, match="rollplex_compile_decode='on' needs shared-prefix"):
-        with shared_prefill(model, None, shared_decode="off", compile_decode="on"):
-            model.generate(**enc, generation_config=_config(False, 2))
+        generate_with_shared_prefill(model, **enc, shared_decode="off", compile_decode="on",
+                                     generation_config=_config(False, 2))
     assert not compiled_decode.use_compiled_decode("auto", True)
     assert not compiled_decode.use_compiled_decode("off", True)
     assert compiled_decode.use_compiled_decode("on", True)

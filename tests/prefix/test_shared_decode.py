@@ -25,7 +25,7 @@ from trl.trainer.utils import pad
 import rollplex_trl.prefix.shared_decode as shared_decode
 from rollplex_trl.data.prompt import generation_fields, prepare_prompt
 from rollplex_trl.data.video import VideoSamplingConfig, frames_to_video
-from rollplex_trl.prefix.generation import shared_prefill
+from rollplex_trl.prefix.generation import generate_with_shared_prefill
 
 G = 3
 
@@ -45,13 +45,13 @@ def cascade_calls(monkeypatch):
 
 
 def _generate(model, inputs, rows, mode, config, seed=5, num_generations=None):
-    """mode None: plain HF generate; else shared_prefill with shared_decode=mode."""
+    """mode None: plain HF generate; else generate_with_shared_prefill with shared_decode=mode."""
     torch.manual_seed(seed)
     with torch.no_grad():
         if mode is None:
             return model.generate(**inputs, generation_config=config)
-        with shared_prefill(model, rows, shared_decode=mode, num_generations=num_generations):
-            out = model.generate(**inputs, generation_config=config)
+        out = generate_with_shared_prefill(model, **inputs, rows=rows, shared_decode=mode,
+                                           num_generations=num_generations, generation_config=config)
     assert "generate" not in vars(model)
     return out
 
@@ -240,7 +240,7 @@ def test_trainer_on_vs_off_same_numbers(tiny_vl_path, tmp_path, monkeypatch, cas
     """3 GRPO steps on video with shared-prefix decoding on vs off, same seed: loss, reward, KL, grad norm 1e-4."""
     from datasets import Dataset
 
-    import rollplex_trl.trainers.rollout as trainer_rollout
+    import rollplex_trl.rollout.transformers_rollout as transformers_rollout
     from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 
     from helpers import video_rows
@@ -251,13 +251,13 @@ def test_trainer_on_vs_off_same_numbers(tiny_vl_path, tmp_path, monkeypatch, cas
         return [float(len(c[0]["content"]) % 5) for c in completions]
 
     def run(mode):
-        # The trainer passes its rollplex_shared_decode to shared_prefill; make sure it does even where that line
+        # The trainer passes its rollplex_shared_decode to the shared prefill; make sure it does even where that line
         # is missing (the patch only fills the argument in when the trainer leaves it out).
         def patched(*args, **kwargs):
             kwargs.setdefault("shared_decode", mode)
-            return shared_prefill(*args, **kwargs)
+            return generate_with_shared_prefill(*args, **kwargs)
 
-        monkeypatch.setattr(trainer_rollout, "shared_prefill", patched)
+        monkeypatch.setattr(transformers_rollout, "generate_with_shared_prefill", patched)
         config = RollplexGRPOConfig(
             output_dir=str(tmp_path / mode), max_steps=3, per_device_train_batch_size=4, num_generations=4,
             max_completion_length=6, learning_rate=5e-3, beta=0.1, logging_steps=1, report_to=[], seed=11,

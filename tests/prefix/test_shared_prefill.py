@@ -13,7 +13,7 @@ from trl.trainer.utils import pad
 
 from rollplex_trl.data.prompt import generation_fields, prepare_prompt
 from rollplex_trl.data.video import VideoSamplingConfig, frames_to_video
-from rollplex_trl.prefix.generation import shared_prefill
+from rollplex_trl.prefix.generation import generate_with_shared_prefill
 
 from helpers import record_prefill_states
 
@@ -25,9 +25,9 @@ def _generate_both(model, inputs, rows, do_sample):
         torch.manual_seed(5)
         plain = model.generate(**inputs, generation_config=config)
         torch.manual_seed(5)
-        with shared_prefill(model, rows, on_prefill=lambda r, u: seen.append((r, u))):
-            shared = model.generate(**inputs, generation_config=config)
-    assert "generate" not in vars(model), "the wrapper must be removed after the block"
+        shared = generate_with_shared_prefill(model, **inputs, rows=rows, generation_config=config,
+                                              on_prefill=lambda r, u: seen.append((r, u)))
+    assert "generate" not in vars(model), "nothing patches the model's generate"
     return plain, shared, seen
 
 
@@ -114,9 +114,9 @@ def test_prefill_under_the_wrapped_forwards_autocast(tiny_vl_path, monkeypatch, 
     config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=[])
     with torch.no_grad():
         plain = model.generate(**inputs, generation_config=config)
-        with shared_prefill(model, [p for p in prompts for _ in range(G)], shared_decode=shared_decode,
-                            forward_context=accelerator.autocast):
-            shared = model.generate(**inputs, generation_config=config)
+        shared = generate_with_shared_prefill(model, **inputs, rows=[p for p in prompts for _ in range(G)],
+                                              shared_decode=shared_decode, forward_context=accelerator.autocast,
+                                              generation_config=config)
     assert torch.equal(plain, shared)
     (state,) = states
     width = state.keys[0].size(2)

@@ -552,7 +552,7 @@ class MegatronBackend:
 
     def rollout_prefill(self, *, training: bool) -> BackendPrefill | None:
         """How the transformers rollout prefills its unique prompts on this backend (a `BackendPrefill` for
-        `shared_prefill(prefill=)`, prefix/generation.py), or None where it keeps its own prefill.
+        `generate_with_shared_prefill(prefill=)`, prefix/generation.py), or None where it keeps its own prefill.
 
         The policy's prefix pass (`run_megatron_prefix`, the actor's own prefix: the same function, mode and inputs
         as the decode window's actor job) instead of the rollout model's: the weights are the same (the on-policy
