@@ -45,7 +45,7 @@ def _make_synthetic(args: argparse.Namespace) -> int:
     path = write_synthetic_video_dataset(
         args.output_dir,
         SyntheticVideoConfig(num_samples=args.num_samples, seed=args.seed, num_frames=args.frames,
-                             height=args.size, width=args.size),
+                             height=args.size, width=args.size, tasks=tuple(args.tasks.split(",")), split=args.split),
     )
     print(path)
     return 0
@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("--frames", type=int, default=16)
     syn.add_argument("--size", type=int, default=112)
     syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument("--tasks", default="count,direction,first_appeared",
+                     help="task types, comma-separated, from count, direction, first_appeared, left_right")
+    syn.add_argument("--split", default="train", choices=["train", "heldout"],
+                     help="heldout: other random streams (left_right: disjoint scenes too)")
     syn.set_defaults(func=_make_synthetic)
 
     toy = sub.add_parser("make-toy-data", help="write a toy text or image dataset (for examples/recipes)")

@@ -47,6 +47,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient (Video-R1 uses 0.04)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tasks", default="count,direction,first_appeared",
+                        help="synthetic task types, comma-separated, from count, direction, first_appeared, "
+                        "left_right (left_right needs the frames in order)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     return parser
 
@@ -77,7 +80,7 @@ def run_demo(args: argparse.Namespace) -> int:
     annotations = write_synthetic_video_dataset(
         out / "data",
         SyntheticVideoConfig(num_samples=args.num_samples, seed=args.seed, num_frames=args.frames,
-                             height=args.size, width=args.size),
+                             height=args.size, width=args.size, tasks=tuple(args.tasks.split(","))),
     )
     dataset = load_video_r1(annotations)
 

@@ -283,3 +283,16 @@ def test_two_processes_end_with_identical_weights(tiny_qwen2_path, toy_text, tmp
         threads = (out / f"threads-rank{r}.txt").read_text().split()
         assert threads, "no thread list: /proc/self/task unreadable"
         assert not [t for t in threads if "gloo" in t], f"rank {r} still runs process-group threads: {threads}"
+
+
+def test_make_synthetic_chooses_tasks_and_split(tmp_path, capsys):
+    import json
+
+    assert cli_main(["make-synthetic", "--output-dir", str(tmp_path / "lr"), "--num-samples", "4", "--frames", "8",
+                     "--size", "56", "--tasks", "left_right", "--split", "heldout"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "lr" / "annotations.jsonl").read_text().splitlines()]
+    assert {r["data_source"] for r in rows} == {"rollplex-synthetic/left_right"}
+    assert sorted(r["solution"] for r in rows) == ["<answer>A</answer>"] * 2 + ["<answer>B</answer>"] * 2
+    train = write_synthetic_video_dataset(tmp_path / "train", SyntheticVideoConfig(
+        num_samples=4, num_frames=8, height=56, width=56, tasks=("left_right",)))
+    assert train.read_text() != (tmp_path / "lr" / "annotations.jsonl").read_text()  # another split
