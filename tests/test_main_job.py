@@ -71,9 +71,10 @@ def test_compact_line_reads_the_logs():
     from rollplex_trl.callbacks.console import format_step
 
     logs = {"loss": 0.0123, "reward": 0.5, "rewards/accuracy_reward/mean": 0.25, "rewards/format_reward/mean": 0.75,
-            "kl": 0.002, "rollplex/verify_ref_logp_abs": 3e-7, "rollplex/verify_actor_grad_cos": 1.0}
+            "kl": 0.002, "rollplex/verify_ref_logp_abs": 3e-7, "rollplex/verify_actor_grad_cos": 1.0,
+            "rollplex/verify_within_tolerance": 1.0}
     line = format_step(logs, 3, 8, 2.5)
     assert line == ("[rollplex-trl] step 3/8 · reward 0.500 (accuracy_reward 0.250, format_reward 0.750) · "
                     "loss 0.0123 · kl 0.002 · 2.50 s · audit ok (max |Δ log-prob| 3.0e-07)")
-    assert "audit EXCEEDED" in format_step({**logs, "rollplex/verify_ref_logp_abs": 0.5}, 3, 8)
+    assert "audit EXCEEDED" in format_step({**logs, "rollplex/verify_within_tolerance": 0.75}, 3, 8)
     assert format_step({"loss": 1.0}, 1, 2) == "[rollplex-trl] step 1/2 · loss 1"

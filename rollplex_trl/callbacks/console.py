@@ -14,11 +14,8 @@ from typing import Any
 
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
-from rollplex_trl.trainers.verify import GRAD_TOLERANCE, TOLERANCE
 
-
-def format_step(logs: dict[str, Any], step: int, max_steps: int, seconds: float | None = None,
-                precision: str = "fp32") -> str:
+def format_step(logs: dict[str, Any], step: int, max_steps: int, seconds: float | None = None) -> str:
     """The compact line of one training log."""
     parts = [f"step {step}/{max_steps}"]
     if "reward" in logs:
@@ -32,21 +29,16 @@ def format_step(logs: dict[str, Any], step: int, max_steps: int, seconds: float 
         parts.append(f"kl {logs['kl']:.4g}")
     if seconds is not None:
         parts.append(f"{seconds:.2f} s")
-    audited = {k: v for k, v in logs.items() if k.startswith("rollplex/verify_")}
-    if audited:
-        min_cos, max_rel = GRAD_TOLERANCE[precision]
-        ok = all(v <= TOLERANCE[precision] for k, v in audited.items() if k.endswith("logp_abs")
-                 and "sampler" not in k)
-        ok = ok and audited.get("rollplex/verify_actor_grad_cos", 1.0) >= min_cos
-        ok = ok and audited.get("rollplex/verify_actor_grad_rel", 0.0) <= max_rel
-        worst = max((v for k, v in audited.items() if k.endswith("logp_abs")), default=0.0)
+    if "rollplex/verify_within_tolerance" in logs:  # an audited step: the audit's verdict (1 = every check held)
+        ok = logs["rollplex/verify_within_tolerance"] >= 1.0
+        worst = max((v for k, v in logs.items() if k.startswith("rollplex/verify_") and k.endswith("logp_abs")),
+                    default=0.0)
         parts.append(f"audit {'ok' if ok else 'EXCEEDED'} (max |Δ log-prob| {worst:.1e})")
     return "[rollplex-trl] " + " · ".join(parts)
 
 
 class CompactConsole(TrainerCallback):
-    def __init__(self, precision: str = "fp32") -> None:
-        self.precision = precision
+    def __init__(self) -> None:
         self._last: float | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -58,13 +50,11 @@ class CompactConsole(TrainerCallback):
         now = time.perf_counter()
         seconds = now - self._last if self._last is not None else None
         self._last = now
-        print(format_step(logs, state.global_step, state.max_steps, seconds, self.precision), flush=True)
+        print(format_step(logs, state.global_step, state.max_steps, seconds), flush=True)
 
 
 def use_compact_console(trainer: Any) -> None:
     """Replace transformers' progress bar and dictionary printer with `CompactConsole`."""
-    from rollplex_trl.trainers.verify import precision_of
-
     for callback in (ProgressCallback, PrinterCallback):
         trainer.remove_callback(callback)
-    trainer.add_callback(CompactConsole(precision_of(trainer.accelerator.mixed_precision)))
+    trainer.add_callback(CompactConsole())

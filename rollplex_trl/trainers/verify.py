@@ -134,6 +134,7 @@ class ExactnessAudit:
             self._report(f"rollplex exactness audit, step {step}: the {kind} log-probs differ from a plain full "
                          f"forward of the same rows by up to {abs_diff:.3g} (tolerance {tolerance:g} under "
                          f"{self.precision})", kind, mechanisms, culprit)
+        record("rollplex/verify_within_tolerance", float(worst_abs <= tolerance))  # the step's mean: 1 = all held
         self._stop_if_strict(worst_abs > tolerance, f"the {kind} log-probs, step {step}")
 
     def _worst_over_processes(self, values: list[float]) -> list[float]:
@@ -187,7 +188,9 @@ class ExactnessAudit:
             self._report(f"rollplex exactness audit, step {step}: the actor's gradient through the shared prefix "
                          f"differs from the plain full forward's: cosine {cos:.6f} (at least {min_cos:g}), norms "
                          f"{rel:.3g} apart (at most {max_rel:g}, {self.precision})", "actor-gradient", mechanisms)
-        self._stop_if_strict(-worst_cos < min_cos or worst_rel > max_rel, f"the actor's gradient, step {step}")
+        exceeded = -worst_cos < min_cos or worst_rel > max_rel
+        record("rollplex/verify_within_tolerance", float(not exceeded))
+        self._stop_if_strict(exceeded, f"the actor's gradient, step {step}")
 
     def _stop_if_strict(self, exceeded_somewhere: bool, what: str) -> None:
         """rollplex_verify_strict: stop every process together (the decision is on the values reduced over the
