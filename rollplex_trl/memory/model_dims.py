@@ -104,9 +104,9 @@ class ModelDims:
 
 
 def _presets() -> dict[str, ModelDims]:
-    # One table of the released Qwen2.5-VL shapes serves both planners: rollplex_trl/sharding/models.py holds it.
-    from rollplex_trl.sharding.models import PRESETS as CONFIGS
-    from rollplex_trl.sharding.models import preset_config
+    # One table of the released Qwen2.5-VL shapes serves both planners: rollplex_trl/model_presets.py holds it.
+    from rollplex_trl.model_presets import PRESETS as CONFIGS
+    from rollplex_trl.model_presets import preset_config
 
     return {name: dims_from_config(preset_config(name), name) for name in CONFIGS}
 

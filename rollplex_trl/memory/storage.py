@@ -327,3 +327,20 @@ class HostArena:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def group_into_buckets(sizes: Iterable[tuple[Any, int]], bucket_bytes: int) -> list[list[Any]]:
+    """Consecutive groups of keys (names, indices) whose byte sizes add up to at most `bucket_bytes` (a larger item
+    is alone)."""
+    buckets: list[list[Any]] = []
+    current: list[Any] = []
+    used = 0
+    for name, size in sizes:
+        if current and used + size > bucket_bytes:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += size
+    if current:
+        buckets.append(current)
+    return buckets

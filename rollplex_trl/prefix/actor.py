@@ -16,9 +16,9 @@ from contextlib import AbstractContextManager
 import torch
 
 from rollplex_trl.data.prompt import PreparedPrompt
+from rollplex_trl.memory.storage import group_into_buckets
 from rollplex_trl.prefix.batch import ActorPrefix, Precomputed, group_by_prompt, rows_to_prompts, run_prefix
 from rollplex_trl.prefix.forward import backward_prefix, detach_prefix
-from rollplex_trl.rollout.layout import group_into_buckets
 
 # Batches of the window that the current generation buffer serves: (prompt_ids, prompt_mask, prepared rows or None)
 WindowPrompts = list[tuple[torch.Tensor, torch.Tensor, Sequence[PreparedPrompt] | None]]

@@ -12,15 +12,13 @@ This module imports neither vLLM nor transformers: it is unit-tested with plain 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
 
+from rollplex_trl.memory.storage import group_into_buckets  # noqa: F401 (re-exported: weight_sync, tests)
 from rollplex_trl.sharding.layouts import SlicePair, shape_2d
-
-K = TypeVar("K")  # what group_into_buckets groups: tensor names, indices
 
 
 @dataclass
@@ -108,20 +106,3 @@ def is_alias_of(src: torch.Tensor, dst: torch.Tensor, piece: SlicePair) -> bool:
     return (src.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
             and src.storage_offset() == view.storage_offset() and src.numel() == view.numel()
             and src.is_contiguous() and view.is_contiguous())
-
-
-def group_into_buckets(sizes: Iterable[tuple[K, int]], bucket_bytes: int) -> list[list[K]]:
-    """Consecutive groups of keys (names, indices) whose byte sizes add up to at most `bucket_bytes` (a larger item
-    is alone)."""
-    buckets: list[list[K]] = []
-    current: list[K] = []
-    used = 0
-    for name, size in sizes:
-        if current and used + size > bucket_bytes:
-            buckets.append(current)
-            current, used = [], 0
-        current.append(name)
-        used += size
-    if current:
-        buckets.append(current)
-    return buckets
