@@ -54,7 +54,7 @@ def main(checkpoint: str, out: str, share: str) -> None:
     trainer.train()
     model = trainer.accelerator.unwrap_model(trainer.model)
     choice = decision.choice if decision is not None else None
-    result = {"world": trainer.accelerator.num_processes, "share_actor": trainer.support.share_actor,
+    result = {"world": trainer.accelerator.num_processes, "share_actor": trainer.plan.share_actor,
               "logs": [r for r in trainer.state.log_history if "loss" in r],
               "checksum": float(sum(p.double().sum() for p in model.parameters())),
               "sharing": None if choice is None else {

@@ -1,4 +1,4 @@
-"""The trainer's components on their own: the support decision, the batch context, the overlap schedule and the
+"""The trainer's components on their own: the run plan, the batch context, the overlap schedule and the
 actor window, each against an independent reference (a plain full forward, a hand count), without a trainer."""
 
 import contextlib
@@ -6,27 +6,34 @@ import contextlib
 import pytest
 import torch
 
+from rollplex_trl.config import RollplexGRPOConfig, rollplex_options
 from rollplex_trl.data.prompt import prompt_identity
 from rollplex_trl.overlap import OverlapExecutor, OverlapSchedule
 from rollplex_trl.prefix import suffix_logps
 from rollplex_trl.prefix.actor import ActorWindow
 from rollplex_trl.prefix.batch import StepPrefixes
 from rollplex_trl.trainers.context import BatchContext
-from rollplex_trl.trainers.support import decide_support
+from rollplex_trl.trainers.memory import KeptResident
+from rollplex_trl.trainers.plan import RunFacts, plan_run
 
 _OPTIONS = {"rollplex_share_prefix": "auto", "rollplex_overlap": "auto"}
 
 
-def _decide(**overrides):
-    kwargs = dict(options=dict(_OPTIONS), model_type="qwen2_5_vl", aux_loss=False, has_tools=False,
-                  custom_rollout=False, sharded=False, num_processes=1, is_vlm=True, use_vllm=False,
-                  continuous_batching=False, num_beams=1)
-    kwargs.update(overrides)
-    return decide_support(**kwargs)
+def _defaults() -> dict:
+    """Every rollplex_* option at its default (from the config class, not restated here)."""
+    return rollplex_options(RollplexGRPOConfig(output_dir="unused", report_to=[], use_cpu=True))
+
+
+def _decide(options=None, **overrides):
+    facts = dict(model_type="qwen2_5_vl", aux_loss=False, has_tools=False, custom_rollout=False, sharded=False,
+                 num_processes=1, is_vlm=True, use_vllm=False, continuous_batching=False, num_beams=1,
+                 num_generations=8, reward_func_names=("accuracy_reward", "format_reward"))
+    facts.update(overrides)
+    return plan_run({**_defaults(), **(options if options is not None else _OPTIONS)}, RunFacts(**facts))
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Support: one decision from the configuration
+# The run plan: one decision from the configuration and the trainer's facts
 # ---------------------------------------------------------------------------------------------------------------
 
 def test_support_turns_everything_on_where_it_is_exact():
@@ -60,6 +67,68 @@ def test_support_beams_keep_scoring_shared_but_not_the_prefill():
 def test_support_off_means_off_without_notices():
     s = _decide(options={"rollplex_share_prefix": "off", "rollplex_overlap": "off"}, model_type="gpt2")
     assert not s.share_scoring and s.notices == ()
+
+
+def test_plan_suffix_attention_cascade_where_it_applies_and_on_refuses():
+    assert _decide().suffix_attention == "cascade"
+    why = "device cuda: the fused kernels with log-sum-exp are wired for CPU only"
+    s = _decide(cascade_unsupported=why)
+    assert s.suffix_attention == "concat" and any(why in n for n in s.notices)
+    with pytest.raises(ValueError, match="rollplex_suffix_attention='cascade' cannot run here: device cuda"):
+        _decide(options={**_OPTIONS, "rollplex_suffix_attention": "cascade"}, cascade_unsupported=why)
+    with pytest.raises(ValueError, match="must be one of"):
+        _decide(options={**_OPTIONS, "rollplex_suffix_attention": "fast"})
+    # the Megatron backend's suffix pass is its own: concat without a notice, a forced cascade refused
+    megatron = _decide(backend="megatron", cascade_unsupported="the Megatron backend has its own suffix pass")
+    assert megatron.suffix_attention == "concat" and not any("suffix_attention" in n for n in megatron.notices)
+    assert _decide(options={**_OPTIONS, "rollplex_share_prefix": "off"}).suffix_attention == "concat"
+
+
+def test_plan_temporal_refusals_and_accuracy_reward():
+    on = {**_OPTIONS, "rollplex_temporal": True}
+    plan = _decide(options={**on, "rollplex_temporal_reward": "format_reward"})
+    assert plan.temporal and not plan.len_control and plan.temporal_reward_index == 1
+    assert _decide(options=on).temporal_reward_index == 0  # '' : the first reward function
+    with pytest.raises(NotImplementedError, match="rollplex_backend='megatron'"):
+        _decide(options=on, backend="megatron")
+    with pytest.raises(NotImplementedError, match="rollout_func"):
+        _decide(options=on, custom_rollout=True)
+    with pytest.raises(ValueError, match="rollplex_temporal_reward='acc' names no reward function"):
+        _decide(options={**on, "rollplex_temporal_reward": "acc"})
+    assert _decide(options={**_OPTIONS, "rollplex_len_control": True}).len_control
+
+
+def test_plan_audit_follows_the_backend():
+    assert _decide().audit.every > 0  # None (auto): on, on the hf backend
+    assert _decide(backend="megatron").audit.every == 0
+    with pytest.raises(NotImplementedError, match="rollplex_verify_every=5"):
+        _decide(options={**_OPTIONS, "rollplex_verify_every": 5}, backend="megatron")
+
+
+def test_plan_memory_on_holds_or_raises_and_auto_follows_the_measurement():
+    kept = KeptResident("optimizer state", "the optimizer cannot stream", "optim='adamw_torch'")
+    with pytest.raises(ValueError, match="rollplex_memory='on' cannot move the optimizer state"):
+        _decide(options={**_OPTIONS, "rollplex_memory": "on"}, memory_kept=(kept,))
+    with pytest.raises(ValueError, match="rollplex_memory='on' cannot act here: DeepSpeed"):
+        _decide(options={**_OPTIONS, "rollplex_memory": "on"}, memory_unsupported="DeepSpeed shards")
+    with pytest.raises(ValueError, match="rollplex_offload_activations='on'"):
+        _decide(options={**_OPTIONS, "rollplex_memory": "off", "rollplex_offload_activations": "on"})
+    assert _decide(options={**_OPTIONS, "rollplex_memory": "on"}).memory
+    auto = {**_OPTIONS, "rollplex_memory": "auto"}
+    pays = _decide(options=auto, memory_pays=(True, "90% of the device"), memory_kept=(kept,))
+    assert pays.memory and pays.memory_kept == (kept,) and any("stays resident" in n for n in pays.notices)
+    assert not _decide(options=auto, memory_pays=(False, "3% of the device")).memory
+
+
+def test_plan_is_frozen_and_the_data_decision_is_made_once():
+    plan = _decide()
+    assert plan.sharing_pays is None
+    decided = plan.decided_sharing(False)
+    assert decided.sharing_pays is False and plan.sharing_pays is None  # a new plan; the old one unchanged
+    with pytest.raises(RuntimeError, match="made once"):
+        decided.decided_sharing(True)
+    with pytest.raises(AttributeError):
+        plan.share_scoring = False
 
 
 # ---------------------------------------------------------------------------------------------------------------

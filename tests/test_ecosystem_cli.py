@@ -58,7 +58,7 @@ def test_text_recipe(tiny_qwen2_path, toy_text, tmp_path):
                                "--dataset_name", str(toy_text), "--output_dir", str(out), *SHORT,
                                "--rollplex_share_prefix", "on"])  # the command line overrides the recipe
     assert isinstance(trainer.args, RollplexGRPOConfig) and trainer.args.rollplex_share_prefix == "on"
-    assert trainer.support.share_scoring  # "on" was honoured, not just parsed
+    assert trainer.plan.share_scoring  # "on" was honoured, not just parsed
     assert trainer.reward_func_names == ["answer_reward", "think_format_reward"]  # dotted path + TRL's name
     assert trainer.state.global_step == 1 and len(_finite_losses(trainer)) == 1
     assert (out / "model.safetensors").exists()
@@ -70,7 +70,7 @@ def test_image_recipe(tiny_vl_path, tmp_path):
     trainer = grpo_script.run(["--config", str(RECIPES / "image.yaml"), "--model_name_or_path", str(tiny_vl_path),
                                "--dataset_name", str(data), "--output_dir", str(out), *SHORT])
     assert trainer.state.global_step == 1 and len(_finite_losses(trainer)) == 1
-    assert trainer.support.prepare_images  # image prompts prepared once per prompt (the shared prefix is on)
+    assert trainer.plan.prepare_images  # image prompts prepared once per prompt (the shared prefix is on)
     assert (out / "model.safetensors").exists()
 
 

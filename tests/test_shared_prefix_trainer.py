@@ -103,17 +103,17 @@ def test_video_peft_reference_is_adapter_disabled(tiny_vl_path, tmp_path, video_
 
 
 def test_share_prefix_on_refuses_unsupported_configs(tiny_qwen2_path, tmp_path, caplog, monkeypatch):
-    import rollplex_trl.trainers.support as support
+    import rollplex_trl.trainers.plan as plan
 
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]] * 4})
-    monkeypatch.setattr(support, "PREFIX_MODEL_TYPES", ("llama",))  # pretend Qwen2 were an unknown decoder
+    monkeypatch.setattr(plan, "PREFIX_MODEL_TYPES", ("llama",))  # pretend Qwen2 were an unknown decoder
     with pytest.raises(ValueError, match="rollplex_share_prefix.*model type 'qwen2'"):
         RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=varied_reward, train_dataset=dataset,
                             args=_config(tmp_path, "on"))
     with caplog.at_level(logging.WARNING):
         trainer = RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=varied_reward,
                                       train_dataset=dataset, args=_config(tmp_path, "auto", max_steps=1))
-    assert not trainer.support.share_scoring and not trainer.support.share_actor
+    assert not trainer.plan.share_scoring and not trainer.plan.share_actor
     assert "rollplex_share_prefix: off" in caplog.text and "qwen2" in caplog.text
     trainer.train()  # and training still works, on TRL's full forward
     assert not any("rollplex/prefix_rows_per_prompt" in r for r in trainer.state.log_history)
@@ -156,7 +156,7 @@ def test_auto_shares_only_where_the_modelled_cost_says_it_pays(tiny_qwen2_path, 
                                       train_dataset=_text_dataset(),
                                       args=_config(tmp_path, "auto", output_dir=str(tmp_path / "low-auto"),
                                                    rollplex_overlap="auto", **low))
-        assert trainer.support.share_scoring and trainer.overlap is not None  # undecided until the first rollout
+        assert trainer.plan.share_scoring and trainer.overlap is not None  # undecided until the first rollout
         trainer.train()
     choice = trainer.sharing.decision.choice
     assert choice is not None and not choice.share, choice
@@ -164,7 +164,7 @@ def test_auto_shares_only_where_the_modelled_cost_says_it_pays(tiny_qwen2_path, 
     assert "rollplex_share_prefix=auto: off" in caplog.text
     assert not trainer.sharing.on
     # the support decision (what the configuration allows) stays as made at construction: decided once
-    assert trainer.support.share_scoring and trainer.support.share_actor
+    assert trainer.plan.share_scoring and trainer.plan.share_actor
     assert trainer.overlap is None and trainer.actor_window is None
     auto = [r for r in trainer.state.log_history if "loss" in r]
     off = _run(tiny_qwen2_path, _text_dataset(), tmp_path, "off", output_dir=str(tmp_path / "low-off"), **low)
@@ -202,7 +202,7 @@ def test_forced_overlap_keeps_auto_sharing_on(tiny_qwen2_path, tmp_path, caplog)
         trainer.train()
     assert caplog.text.count("rollplex_share_prefix=auto: on, not left to the cost model") == 1
     assert trainer.sharing.decision is None
-    assert trainer.sharing.on and trainer.support.share_actor and trainer.overlap is not None
+    assert trainer.sharing.on and trainer.plan.share_actor and trainer.overlap is not None
     forced = [r for r in trainer.state.log_history if "loss" in r]
     on = _run(tiny_qwen2_path, _text_dataset(), tmp_path, "on", output_dir=str(tmp_path / "on"), **low)
     assert len(forced) == len(on) == 2

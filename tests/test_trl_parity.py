@@ -37,7 +37,7 @@ def _train(trainer_cls, config_cls, model_path, dataset, tmp_path, completions=N
         record_generations(trainer, "completion_ids", completions)
     trainer.train()
     if isinstance(trainer, RollplexGRPOTrainer):  # parity is only news if the shared paths actually ran
-        assert trainer.support.share_scoring and trainer.support.share_actor
+        assert trainer.plan.share_scoring and trainer.plan.share_actor
         assert all(r["rollplex/prefix_rows_per_prompt"] > 1 for r in trainer.state.log_history if "loss" in r)
     return [r for r in trainer.state.log_history if "loss" in r], trainer
 

@@ -33,6 +33,7 @@ PeerRollout = Callable[[Any], None]
 
 class TrainingBackend(Protocol):
     name: str
+    suffix_attention_mode: str  # "cascade" | "concat": the run plan's choice, set by the trainer
 
     # ---- models ------------------------------------------------------------------------------------------------
     def trained_model(self, model: nn.Module) -> nn.Module:
@@ -49,8 +50,9 @@ class TrainingBackend(Protocol):
     def build_actor_prefix(self) -> Callable[..., PrefixState]:
         """How the actor window builds its prefix (`ActorWindow(build_prefix=)`, `run_prefix`'s signature)."""
 
-    def suffix_attention(self, mode: str, causal_lm: nn.Module, device: torch.device) -> tuple[str, str | None]:
-        """("cascade" | "concat", why not cascade) for the shared-prefix suffix passes."""
+    def cascade_unsupported(self, causal_lm: nn.Module, device: torch.device) -> str | None:
+        """Why the cascade suffix attention cannot run this model on this backend (None: it can). A fact for the
+        run plan (trainers/plan.py), which decides; the decision comes back as `suffix_attention_mode`."""
 
     # ---- rollout -----------------------------------------------------------------------------------------------
     def generate(self, rollout: Rollout, peer: PeerRollout) -> tuple[list[list[int]], Any]:

@@ -22,7 +22,7 @@ from rollplex_trl.prefix import suffix_logps
 from rollplex_trl.prefix.batch import prepared_rows_logps, run_prefix, shared_prefix_logps
 from rollplex_trl.prefix.generation import BackendPrefill
 from rollplex_trl.prefix.state import PrefixState
-from rollplex_trl.prefix.suffix_attention import suffix_attention_mode
+from rollplex_trl.prefix.suffix_attention import unsupported_reason
 from rollplex_trl.rollout.weight_casts import frozen_weight_casts_kept
 
 
@@ -31,7 +31,7 @@ class HfBackend:
 
     def __init__(self, unwrap: Callable[[nn.Module], nn.Module]) -> None:
         self.unwrap = unwrap  # accelerate's unwrap_model: DDP's wrapper off
-        self.suffix_attention_mode = "concat"  # set by the trainer's decision (`suffix_attention`)
+        self.suffix_attention_mode = "concat"  # the run plan's `suffix_attention`, set by the trainer
 
     # ---- models ------------------------------------------------------------------------------------------------
     def trained_model(self, model: nn.Module) -> nn.Module:
@@ -47,10 +47,8 @@ class HfBackend:
     def build_actor_prefix(self) -> Callable[..., PrefixState]:
         return run_prefix  # the transformers prefix pass
 
-    def suffix_attention(self, mode: str, causal_lm: nn.Module, device: torch.device) -> tuple[str, str | None]:
-        resolved = suffix_attention_mode(mode, causal_lm, device)
-        self.suffix_attention_mode = resolved[0]
-        return resolved
+    def cascade_unsupported(self, causal_lm: nn.Module, device: torch.device) -> str | None:
+        return unsupported_reason(causal_lm, device)
 
     # ---- rollout -----------------------------------------------------------------------------------------------
     def generate(self, rollout, peer) -> tuple[list[list[int]], Any]:

@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 
 def banner_lines(trainer: Any) -> list[str]:
     """The banner's lines for `trainer` (a RollplexGRPOTrainer after construction)."""
-    options, support = trainer.rollplex, trainer.support
+    options, support = trainer.rollplex, trainer.plan
     processes = trainer.accelerator.num_processes
     tp = options["rollplex_tensor_parallel_size"] if trainer.backend.name == "megatron" else 1
     if trainer.use_vllm:

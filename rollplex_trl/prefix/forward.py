@@ -355,7 +355,7 @@ def suffix_logps(
 
     `attention`: "concat" serves every row cat(its prompt's K/V, its own) to the model's attention; "cascade"
     attends to the prompt's K/V once per prompt and to the row's own causally, merged exactly
-    (prefix/suffix_attention.py; CPU, sdpa/eager: `suffix_attention_mode` decides where it applies).
+    (prefix/suffix_attention.py; CPU, sdpa/eager: the run plan decides where it applies).
     """
     causal_lm = unwrap_model(model)
     backbone = causal_lm.base_model

@@ -20,7 +20,8 @@ is re-entered for that recompute (`trl_compat.checkpointed_forwards_within`), so
 computation and not the original attention on the suffix's keys alone.
 
 Applies on CPU (PyTorch's fused CPU flash kernels return the log-sum-exp the merge needs) with the sdpa or eager
-implementation, full-attention layers and no attention dropout; `suffix_attention_mode` says which path a model gets.
+implementation, full-attention layers and no attention dropout; the run plan (trainers/plan.py) says which
+path a model gets.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def _make_attention(base: str):
             return base_attention(base, module)(module, query, key, value, attention_mask, dropout=dropout,
                                                  scaling=scaling, **kwargs)
         if dropout:
-            raise RuntimeError("cascade suffix attention with attention dropout (suffix_attention_mode excludes it)")
+            raise RuntimeError("cascade suffix attention with attention dropout (the run plan excludes it)")
         scale = scaling if scaling is not None else query.size(-1) ** -0.5
         dtype = query.dtype  # autocast: the projections' dtype; the prompt's K/V follow it (a differentiable cast)
         out = causal_cascade_attention(query, layer.keys.to(dtype), layer.values.to(dtype), layer.prefix_mask,
@@ -114,21 +115,6 @@ def unsupported_reason(causal_lm: nn.Module, device: torch.device) -> str | None
     if causal_lm.training and getattr(text_config, "attention_dropout", 0.0):
         return "attention dropout in training mode"
     return None
-
-
-def suffix_attention_mode(mode: str, causal_lm: nn.Module, device: torch.device) -> tuple[str, str | None]:
-    """("cascade" | "concat", reason) for `rollplex_suffix_attention=mode`: "auto" takes cascade wherever it
-    applies (the reason says why not where it does not); "cascade" raises where it cannot apply."""
-    if mode not in MODES:
-        raise ValueError(f"rollplex_suffix_attention must be one of {MODES}, got {mode!r}")
-    if mode == "concat":
-        return "concat", None
-    reason = unsupported_reason(causal_lm, device)
-    if reason is None:
-        return "cascade", None
-    if mode == "cascade":
-        raise ValueError(f"rollplex_suffix_attention='cascade' cannot run here: {reason} (use 'auto' or 'concat')")
-    return "concat", reason
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ One training step, top to bottom (each TRL override below is a few lines that ha
                                       prefix (`actor_window`), one prefix backward at its end; TRL's loss unchanged
     (optimizer step)                  after `overlap.assert_idle()`: no θ_k reader is left
 
-The components (docs/architecture.md): `support` (what the configuration allows, decided once), `backend` (the
+The components (docs/architecture.md): `plan` (what this run does, decided once: trainers/plan.py), `backend` (the
 engine that trains the policy: backends/), `sharing` (whether the shared prefix runs), `rollout`, `batch` (the
 batch in flight and its `StepPrefixes`), `overlap`, `actor_window`, `vllm_rollout`, `media`, `phase_memory`,
 `memory_ledger`, `checkpoint_staging`, `temporal` (T-GRPO), `audit` (the exactness audit). Third-party internals
@@ -53,10 +53,10 @@ from rollplex_trl.trainers.checkpoint import (
 from rollplex_trl.trainers.context import BatchContext
 from rollplex_trl.trainers.media import DatasetPreparation, media_options, setup_video_training
 from rollplex_trl.trainers.memory import PhaseMemory, setup_memory_ledger, vllm_sleep_for_memory
+from rollplex_trl.trainers.plan import RunFacts, RunPlan, log_notices, plan_run, refuse_before_setup
 from rollplex_trl.trainers.rewards import reject_non_finite_rewards
 from rollplex_trl.trainers.rollout import TrainerRollout
 from rollplex_trl.trainers.sharing import PrefixSharing
-from rollplex_trl.trainers.support import Support, decide_support, log_notices, refuse_before_setup
 from rollplex_trl.trainers.temporal import TemporalRecipe
 from rollplex_trl.trainers.verify import audit_pass, audit_sampler, build_audit
 
@@ -96,19 +96,20 @@ class RollplexGRPOTrainer(GRPOTrainer):
             super().__init__(*args, **kwargs)
         self.rollplex = rollplex_options(self.args)
         self.backend: TrainingBackend = build_backend(self)
-        self.support = self._decide_support()
-        log_notices(self.support, self.accelerator.is_main_process)
+        self.plan: RunPlan = plan_run(self.rollplex, RunFacts.of(self))  # trainers/plan.py: every refusal is there
+        self.backend.suffix_attention_mode = self.plan.suffix_attention
+        log_notices(self.plan, self.accelerator.is_main_process)
         if sleep_notice is not None and self.accelerator.is_main_process:
             logger.warning(sleep_notice)
         self.sharing = PrefixSharing.build(self)  # trainers/sharing.py: the suffix path, and auto's data decision
         self.batch = BatchContext()
         self.actor_window = ActorWindow(
             self.accelerator.autocast, trl_compat.pad_token_id(self),
-            average_across_processes=self.support.average_actor_gradients,
+            average_across_processes=self.plan.average_actor_gradients,
             on_built=lambda: self.memory_ledger.sample() if self.memory_ledger is not None else None,
             build_prefix=self.backend.build_actor_prefix(),
-        ) if self.support.share_actor else None
-        self.overlap = self._build_overlap() if self.support.overlap_window else None
+        ) if self.plan.share_actor else None
+        self.overlap = self._build_overlap() if self.plan.overlap_window else None
         self.rollout = TrainerRollout(self)  # trainers/rollout.py
         self.timeline = self.overlap.timeline if self.overlap is not None else Timeline()
         generation = getattr(self, "vllm_generation", None)
@@ -116,7 +117,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
             self.use_vllm and isinstance(generation, RollplexVLLMGeneration)) else None
         self.media = DatasetPreparation(
             self.processing_class, media_options(self.rollplex, self.chat_template, self.chat_template_kwargs),
-            is_vlm=trl_compat.is_vlm(self), prepare_images=self.support.prepare_images, framed=self.use_vllm,
+            is_vlm=trl_compat.is_vlm(self), prepare_images=self.plan.prepare_images, framed=self.use_vllm,
             custom_rollout=bool(self.tools) or self.environment_factories is not None or self.rollout_func is not None)
         if self._wrap_datasets():
             setup_video_training(self)
@@ -136,30 +137,21 @@ class RollplexGRPOTrainer(GRPOTrainer):
     # Setup
     # ------------------------------------------------------------------------------------------------------------
 
-    def _decide_support(self) -> Support:
-        config = self.accelerator.unwrap_model(self.model).config
-        generation_config = getattr(self, "generation_config", None)
-        return decide_support(
-            options=self.rollplex, model_type=getattr(config, "model_type", None), aux_loss=self.aux_loss_enabled,
-            has_tools=bool(self.tools) or self.environment_factories is not None,
-            custom_rollout=self.rollout_func is not None,
-            sharded=self.is_deepspeed_enabled or self.is_fsdp_enabled,
-            num_processes=self.accelerator.num_processes, is_vlm=trl_compat.is_vlm(self), use_vllm=self.use_vllm,
-            continuous_batching=bool(self.use_transformers_continuous_batching),
-            num_beams=getattr(generation_config, "num_beams", 1) or 1, backend=self.rollplex["rollplex_backend"])
-
     def _decide_sharing(self, prompt_ids: list[list[int]]) -> None:
         """The first rollout's (or scoring pass's) prompts make `auto`'s data decision once (trainers/sharing.py)."""
-        if self.sharing.decide(prompt_ids):
-            self._sharing_turned_off()
+        self._sharing_decided(self.sharing.decide(prompt_ids))
 
     def _decide_sharing_from_mask(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
-        if self.sharing.decide_from_mask(prompt_ids, prompt_mask):  # a custom rollout_func's batch
-            self._sharing_turned_off()
+        self._sharing_decided(self.sharing.decide_from_mask(prompt_ids, prompt_mask))  # a custom rollout_func's
 
-    def _sharing_turned_off(self) -> None:
-        """Sharing does not pay here: the components serving it go (generation's shared prefill stays: it is
-        always cheaper)."""
+    def _sharing_decided(self, pays: bool | None) -> None:
+        """Record the data decision in the plan, once. Where sharing does not pay, the components serving it go
+        (generation's shared prefill stays: it is always cheaper)."""
+        if pays is None:
+            return  # nothing was decided by this batch
+        self.plan = self.plan.decided_sharing(pays)
+        if pays:
+            return
         self.actor_window = None
         if self.overlap is not None:
             self.overlap.close()

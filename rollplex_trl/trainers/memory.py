@@ -290,31 +290,10 @@ class PhaseMemory:
 
     @classmethod
     def build(cls, trainer: Any) -> PhaseMemory | None:
-        """The component for `trainer.rollplex["rollplex_memory"]`, or None when off (the decision logged once). A
-        forced "on" is never silently weakened: what it cannot move raises here, naming the setting that would."""
-        mode = trainer.rollplex.get("rollplex_memory", "off")
-        if mode == "off":
-            if trainer.rollplex.get("rollplex_offload_activations", "auto") == "on":
-                raise ValueError("rollplex_offload_activations='on' acts through the phase memory: set "
-                                 "rollplex_memory='on' (or 'auto') as well, or rollplex_offload_activations='auto'")
-            return None
-        refusal = cls.unsupported(trainer)
-        if refusal is not None:
-            if mode == "on":
-                raise ValueError(f"rollplex_memory='on' cannot act here: {refusal}. Use 'auto' or 'off'.")
-            cls._log(trainer, f"rollplex_memory='auto': off, {refusal}")
-            return None
-        kept = cls.kept_resident(trainer)
-        if mode == "on" and kept:
-            raise ValueError("; ".join(k.refusal() for k in kept))
-        if mode == "auto":
-            pays, why = cls.pays(trainer)
-            stays = "".join(f"; the {k.what} stays resident ({k.reason})" for k in kept)
-            cls._log(trainer, f"rollplex_memory='auto': {'on' if pays else 'off'}, {why}{stays}")
-            if not pays:
-                return None
-            return cls(trainer, reason=why, kept=kept)
-        return cls(trainer, reason="rollplex_memory='on'", kept=kept)
+        """The component the run plan asks for (`trainer.plan.memory`: trainers/plan.py decides "on"/"auto"/"off",
+        refuses what a forced "on" cannot move, and logs auto's measurement once), or None."""
+        plan = trainer.plan
+        return cls(trainer, reason=plan.memory_reason, kept=list(plan.memory_kept)) if plan.memory else None
 
     @staticmethod
     def _log(trainer: Any, message: str) -> None:

@@ -126,7 +126,7 @@ class TrainerRollout:
     def takes_shared_prefill(self, images: Any, rows: list[PreparedPrompt] | None, num_generations: int,
                              has_tool_images: bool) -> bool:
         """Whether the transformers rollout prefills each prompt once, which is where its decode window opens."""
-        return not (not self.trainer.support.shared_prefill or num_generations < 2 or has_tool_images
+        return not (not self.trainer.plan.shared_prefill or num_generations < 2 or has_tool_images
                     or (rows is None and images is not None))
 
     def actor_from_prefill(self) -> bool:

@@ -1,10 +1,11 @@
 """`PrefixSharing`: whether the shared prefix runs, decided once, in two stages.
 
-1. From the configuration, at construction: `Support` (trainers/support.py) says whether the shared prefix can run
-   exactly here, and the backend picks the suffix attention path (`cascade` / `concat`).
+1. From the configuration, at construction: the run plan (trainers/plan.py) says whether the shared prefix can run
+   exactly here, and which suffix attention path it takes (`cascade` / `concat`).
 2. From the data, once: under rollplex_share_prefix="auto", the first rollout's prompts decide whether sharing pays
    (prefix/cost.py `SharingDecision`: the modelled cost of both paths, summed over every process, logged once). A
-   forced rollplex_overlap="on" needs the shared prefix, so it is then not left to the cost model.
+   forced rollplex_overlap="on" needs the shared prefix, so it is then not left to the cost model. The trainer
+   records the choice in the plan (`RunPlan.sharing_pays`).
 
 `on` combines both; it is True until the data decision is made, which happens before any pass that shares.
 """
@@ -18,37 +19,30 @@ from typing import Any
 import torch
 
 from rollplex_trl.memory.model_dims import dims_from_config
-from rollplex_trl.prefix import unwrap_model
 from rollplex_trl.prefix.cost import SharingDecision
-from rollplex_trl.trainers.support import Support
+from rollplex_trl.trainers.plan import RunPlan
 
 logger = logging.getLogger(__name__)
 
 
 class PrefixSharing:
-    def __init__(self, support: Support, suffix_attention: str, decision: SharingDecision | None,
+    def __init__(self, plan: RunPlan, suffix_attention: str, decision: SharingDecision | None,
                  visual_token_ids: set[int]) -> None:
-        self.support = support
+        self.share_scoring = plan.share_scoring
         self.suffix_attention = suffix_attention  # "cascade" or "concat"
         self.decision = decision  # None: nothing left to decide from data
         self.visual_token_ids = visual_token_ids
 
     @classmethod
     def build(cls, trainer: Any) -> PrefixSharing:
-        support, options, accelerator = trainer.support, trainer.rollplex, trainer.accelerator
+        plan, options, accelerator = trainer.plan, trainer.rollplex, trainer.accelerator
         warn: Callable[[str], None] = logger.warning if accelerator.is_main_process else (lambda message: None)
         config = accelerator.unwrap_model(trainer.model).config
-        attention = "concat"
-        if support.share_scoring:
-            attention, reason = trainer.backend.suffix_attention(
-                options["rollplex_suffix_attention"], unwrap_model(accelerator.unwrap_model(trainer.model)),
-                accelerator.device)
-            if reason is not None:
-                warn(f"rollplex_suffix_attention=auto: concat (the prompt's K/V copied per row): {reason}")
+        attention = plan.suffix_attention
         visual = {i for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
                   if i is not None}
         decision = None
-        if options["rollplex_share_prefix"] == "auto" and support.share_scoring:
+        if options["rollplex_share_prefix"] == "auto" and plan.share_scoring:
             if options["rollplex_overlap"] == "on":  # forced on: it holds, so auto may not take its window away
                 warn("rollplex_share_prefix=auto: on, not left to the cost model: rollplex_overlap='on' runs the "
                      "prefix work in the decode window, which needs the shared prefix")
@@ -63,23 +57,24 @@ class PrefixSharing:
                     dims_from_config(config, getattr(config, "model_type", "model")), attention=attention,
                     group_size=trainer.num_generations, completion_bound=trainer.max_completion_length,
                     reduce_sums=reduce_sums, warn=warn)
-        return cls(support, attention, decision, visual)
+        return cls(plan, attention, decision, visual)
 
     @property
     def on(self) -> bool:
         choice = self.decision.choice if self.decision is not None else None
-        return self.support.share_scoring and (choice is None or choice.share)
+        return self.share_scoring and (choice is None or choice.share)
 
-    def decide(self, prompt_ids: list[list[int]]) -> bool:
-        """Make the data decision from these prompts if it is still open; True if it just turned sharing off."""
+    def decide(self, prompt_ids: list[list[int]]) -> bool | None:
+        """Make the data decision from these prompts if it is still open: whether sharing pays, or None when there
+        was nothing left to decide."""
         if self.decision is None or self.decision.decided:
-            return False
+            return None
         visual = self.visual_token_ids
         choice = self.decision.decide([len(ids) for ids in prompt_ids],
                                       [sum(1 for t in ids if t in visual) for ids in prompt_ids])
-        return not choice.share
+        return choice.share
 
-    def decide_from_mask(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> bool:
+    def decide_from_mask(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> bool | None:
         if self.decision is None or self.decision.decided:
-            return False
+            return None
         return self.decide([ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)])

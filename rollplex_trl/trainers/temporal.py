@@ -71,10 +71,10 @@ class ShuffledRollout:
 
 
 class TemporalRecipe:
-    def __init__(self, options: dict[str, Any], *, reward_func_names: list[str], num_generations: int, seed: int,
-                 temporal_patch_size: int = 2) -> None:
-        self.temporal = bool(options["rollplex_temporal"])
-        self.len_control = bool(options["rollplex_len_control"])
+    def __init__(self, options: dict[str, Any], *, temporal: bool, len_control: bool, accuracy_index: int,
+                 reward_func_names: list[str], num_generations: int, seed: int, temporal_patch_size: int = 2) -> None:
+        self.temporal = temporal  # the run plan's decisions (trainers/plan.py: the refusals are there)
+        self.len_control = len_control
         self.bonus = TemporalBonus(alpha=options["rollplex_temporal_alpha"], mu=options["rollplex_temporal_mu"])
         self.length = LengthControl(low=options["rollplex_len_control_min"], high=options["rollplex_len_control_max"],
                                     bonus=options["rollplex_len_control_bonus"])
@@ -83,11 +83,7 @@ class TemporalRecipe:
         self.num_generations = num_generations
         self.seed = seed
         self.temporal_patch_size = temporal_patch_size
-        wanted = options["rollplex_temporal_reward"]
-        if wanted and wanted not in reward_func_names:
-            raise ValueError(f"rollplex_temporal_reward={wanted!r} names no reward function; the trainer's are "
-                             f"{reward_func_names}. Give one of them, or '' for the first.")
-        self.accuracy_index = reward_func_names.index(wanted) if wanted else 0
+        self.accuracy_index = accuracy_index
         self.accuracy_name = reward_func_names[self.accuracy_index]
 
     @property
@@ -245,19 +241,12 @@ class TemporalRecipe:
         """The recipe for this trainer, its reward columns added to TRL's; None when both switches are off."""
         from rollplex_trl import trl_compat
 
-        options = trainer.rollplex
-        if not (options["rollplex_temporal"] or options["rollplex_len_control"]):
+        plan = trainer.plan
+        if not (plan.temporal or plan.len_control):
             return None
-        if options["rollplex_temporal"] and options["rollplex_backend"] == "megatron":
-            raise NotImplementedError("rollplex_temporal=True with rollplex_backend='megatron': the shuffled rollout "
-                                      "is not wired into the Megatron backend's rollout yet. Use the 'hf' backend.")
-        if options["rollplex_temporal"] and (trainer.tools or trainer.environment_factories is not None
-                                             or trainer.rollout_func is not None):
-            raise NotImplementedError("rollplex_temporal=True with tools, environments or a rollout_func: the "
-                                      "shuffled copies are sampled by the trainer's own single-turn rollout. Turn "
-                                      "rollplex_temporal off, or drop the custom rollout.")
         vision = getattr(trainer.accelerator.unwrap_model(trainer.model).config, "vision_config", None)
-        recipe = cls(options, reward_func_names=list(trainer.reward_func_names),
+        recipe = cls(trainer.rollplex, temporal=plan.temporal, len_control=plan.len_control,
+                     accuracy_index=plan.temporal_reward_index, reward_func_names=list(trainer.reward_func_names),
                      num_generations=trainer.num_generations, seed=trainer.args.seed,
                      temporal_patch_size=int(getattr(vision, "temporal_patch_size", 2) or 2))
         for column in recipe.placeholders():

@@ -338,7 +338,6 @@ def audit_gradient(trainer: Any, audit: ExactnessAudit, model: Any, plain: Calla
 
 def build_audit(trainer: Any) -> ExactnessAudit | None:
     """The trainer's audit, or None when rollplex_verify_every resolves to off."""
-    spec = audit_spec(trainer.rollplex, num_generations=trainer.num_generations,
-                      backend=trainer.rollplex["rollplex_backend"])
+    spec = trainer.plan.audit  # audit_spec, decided in the run plan (trainers/plan.py)
     return ExactnessAudit(spec, precision_of(trainer.accelerator.mixed_precision),
                           device=trainer.accelerator.device) if spec.every else None

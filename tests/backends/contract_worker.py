@@ -193,8 +193,9 @@ def _hf(case: Case, mode: str) -> Built:
 
     policy, ref = load(case, fused=True), load(case, perturbed=True, fused=True).eval()
     backend = HfBackend(unwrap=lambda m: m)
-    resolved, why_not = backend.suffix_attention(mode, policy, torch.device("cpu"))  # the trainer's decision
-    assert resolved == ("cascade" if mode == "auto" else mode), (mode, resolved, why_not)  # fp32 eager on CPU
+    why_not = backend.cascade_unsupported(policy, torch.device("cpu"))  # the run plan's fact
+    assert why_not is None, why_not  # fp32 eager on CPU: the cascade applies
+    backend.suffix_attention_mode = "cascade" if mode == "auto" else mode  # what the plan decides for `mode`
 
     def hf_grads():
         return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in policy.named_parameters()}

@@ -30,7 +30,7 @@ from test_prefix_exactness import (
 
 from rollplex_trl.prefix import backward_prefix, detach_prefix, prefix_forward, suffix_logps
 from rollplex_trl.prefix.cascade import causal_cascade_attention, group_rows, reference_attention
-from rollplex_trl.prefix.suffix_attention import suffix_attention_mode
+from rollplex_trl.prefix.suffix_attention import unsupported_reason
 
 # the exactness module's fixtures (module-scoped processor/tokenizer, the quiet logging), shared
 processor, tokenizer, _quiet = exact.processor, exact.tokenizer, exact._quiet
@@ -169,18 +169,13 @@ def test_bf16_autocast_with_checkpointing_matches_the_concatenated_path(tiny_vl_
 # ---- where it applies ---------------------------------------------------------------------------------------------
 
 
-def test_mode_decision(tiny_qwen2_path):
+def test_where_the_cascade_applies(tiny_qwen2_path):
+    """The fact the run plan decides from (its decision: tests/test_components.py)."""
     model = load_qwen2(tiny_qwen2_path, "sdpa")
-    assert suffix_attention_mode("auto", model, torch.device("cpu")) == ("cascade", None)
-    assert suffix_attention_mode("concat", model, torch.device("cpu")) == ("concat", None)
-    mode, reason = suffix_attention_mode("auto", model, torch.device("cuda"))
-    assert mode == "concat" and "CPU only" in reason
-    with pytest.raises(ValueError, match="rollplex_suffix_attention='cascade'"):
-        suffix_attention_mode("cascade", model, torch.device("cuda"))
+    assert unsupported_reason(model, torch.device("cpu")) is None
+    assert "CPU only" in unsupported_reason(model, torch.device("cuda"))
     model.config.get_text_config()._attn_implementation = "flash_attention_2"
-    assert suffix_attention_mode("auto", model, torch.device("cpu"))[0] == "concat"
-    with pytest.raises(ValueError, match="must be one of"):
-        suffix_attention_mode("fast", model, torch.device("cpu"))
+    assert "flash_attention_2" in unsupported_reason(model, torch.device("cpu"))
 
 
 # ---- degenerate batches and peaked attention (the NaN of issue 31) ------------------------------------------------

@@ -120,6 +120,7 @@ class MegatronBackend:
     """The trainer's Megatron component: the training model(s), the rollout binding, gradient reduction."""
 
     name = "megatron"
+    suffix_attention_mode = "concat"  # its own suffix pass (backends/megatron/prefix.py)
 
     def __init__(self, *, rollout_model: nn.Module, ref_model: nn.Module | None, tensor_parallel_size: int,
                  seed: int, record: Callable[[str, float], None], is_main_process: bool,
@@ -318,11 +319,8 @@ class MegatronBackend:
     def build_actor_prefix(self) -> Callable[..., Any]:
         return _megatron_actor_prefix
 
-    def suffix_attention(self, mode: str, causal_lm: nn.Module, device: torch.device) -> tuple[str, str | None]:
-        if mode == "cascade":
-            raise ValueError("rollplex_suffix_attention='cascade' cannot run on the Megatron backend: it has its own "
-                             "suffix pass (backends/megatron/prefix.py); use 'auto' or 'concat'")
-        return "concat", None  # not a fallback to report: this backend's suffix pass is its own
+    def cascade_unsupported(self, causal_lm: nn.Module, device: torch.device) -> str | None:
+        return "the Megatron backend has its own suffix pass (backends/megatron/prefix.py)"
 
     def generate(self, rollout: Callable[[Any], tuple[list[list[int]], Any]], peer: Callable[[Any], None]
                  ) -> tuple[list[list[int]], Any]:
