@@ -37,12 +37,15 @@ AUTO_EVERY = 200  # rollplex_verify_every=None: the first step and then every th
 TOLERANCE = {"fp32": 1e-4, "bf16": 0.1, "fp16": 0.02}
 # The actor's gradient of Σ log-probs over the audited rows, shared-prefix path against the plain path: the smallest
 # cosine similarity and the largest relative norm difference accepted (measured on the test models: fp32 cosine
-# 1 - 3e-14, norms 1e-8 apart; bf16 autocast with checkpointing 1 - 8e-6 and 1.4e-4).
+# 1 - 3e-14, norms 1e-8 apart; bf16 autocast with checkpointing 1 - 8e-6 and 1.4e-4 at lr 5e-3, but norms up to 5%
+# apart at cosine 0.99993 once lr 0.1 has collapsed the policy: peaked attention makes each bf16 path's gradient
+# ~5% from the fp32 truth, the cascade's no further than plain attention's (tests/prefix/test_cascade.py), and
+# the two paths round differently). A gradient averaged or scaled wrongly is off by 25% or more.
 # The rollout engine's sampling log-probs against the trainer's plain pass: another engine's kernels (and, where
 # rollplex_vllm_dtype differs from the trainer's precision, another dtype). A wrongly mapped or stale weight moves
 # log-probs by whole nats; kernel differences in bf16 reach tenths.
 SAMPLER_TOLERANCE = {"fp32": 1e-3, "bf16": 1.0, "fp16": 0.5}
-GRAD_TOLERANCE = {"fp32": (1 - 1e-6, 1e-4), "bf16": (0.999, 0.01), "fp16": (0.9999, 0.005)}
+GRAD_TOLERANCE = {"fp32": (1 - 1e-6, 1e-4), "bf16": (0.999, 0.1), "fp16": (0.9999, 0.02)}
 
 
 @dataclass(frozen=True)
