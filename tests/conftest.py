@@ -25,3 +25,23 @@ def tiny_qwen2_path(checkpoint_cache):
     from rollplex_trl.testing.checkpoints import get_checkpoint
 
     return get_checkpoint("qwen2", "tiny", cache_dir=checkpoint_cache)
+
+
+@pytest.fixture()
+def video_dataset(tmp_path):
+    """Four rows over real MP4 clips (tests/helpers.py `video_rows`), questions of growing length."""
+    from datasets import Dataset
+
+    from helpers import video_rows
+
+    return Dataset.from_list(video_rows(tmp_path / "clips"))
+
+
+@pytest.fixture()
+def video_dataset_q(tmp_path):
+    """As `video_dataset`, with questions "", "Q", "QQ", ... (prompt lengths that differ by one token)."""
+    from datasets import Dataset
+
+    from helpers import video_rows
+
+    return Dataset.from_list(video_rows(tmp_path / "clips", lambda i: "Q" * i))

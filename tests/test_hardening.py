@@ -17,7 +17,7 @@ from rollplex_trl.data.errors import RollplexDataError
 from rollplex_trl.overlap import OverlapSchedule
 from rollplex_trl.trainers.rewards import reject_non_finite_rewards
 
-from helpers import RecordingReward, video_rows
+from helpers import RecordingReward
 
 # Keys whose values are wall-clock measurements: they differ between any two runs.
 _TIMING = ("_s", "runtime", "per_second", "step_time", "decode_slowdown")
@@ -39,19 +39,14 @@ def _train(model, dataset, args):
     return trainer, [r for r in trainer.state.log_history if "loss" in r], reward.seen
 
 
-@pytest.fixture()
-def video_dataset(tmp_path):
-    return Dataset.from_list(video_rows(tmp_path, lambda i: "Q" * i))
-
-
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16-autocast", "fp32"])
-def test_overlap_on_and_off_learn_the_same_under_trl_defaults(tiny_vl_path, tmp_path, video_dataset, bf16):
+def test_overlap_on_and_off_learn_the_same_under_trl_defaults(tiny_vl_path, tmp_path, video_dataset_q, bf16):
     # TRL's defaults: bf16 autocast (on CPU too), gradient checkpointing; beta > 0 and two micro-batches per step so
     # the reference and the actor prefix both run in the decode window. Before the fix: 4.5e-4 relative in
     # grad_norm (the window and the scoring-time path grouped the prompts differently).
     common = dict(bf16=bf16, gradient_checkpointing=True)
-    _, on, samples_on = _train(tiny_vl_path, video_dataset, _args(tmp_path, "on", rollplex_overlap="on", **common))
-    _, off, samples_off = _train(tiny_vl_path, video_dataset, _args(tmp_path, "off", rollplex_overlap="off",
+    _, on, samples_on = _train(tiny_vl_path, video_dataset_q, _args(tmp_path, "on", rollplex_overlap="on", **common))
+    _, off, samples_off = _train(tiny_vl_path, video_dataset_q, _args(tmp_path, "off", rollplex_overlap="off",
                                                                     **common))
     assert samples_on == samples_off
     assert len(on) == len(off) == 3
@@ -62,22 +57,22 @@ def test_overlap_on_and_off_learn_the_same_under_trl_defaults(tiny_vl_path, tmp_
 
 
 def test_shared_prefix_under_trl_defaults_matches_the_unshared_passes_to_bf16_rounding(tiny_vl_path, tmp_path,
-                                                                                       video_dataset):
+                                                                                       video_dataset_q):
     # The shared prefix regroups the same sums; under bf16 autocast that changes rounding only. Measured at the first
     # step (same weights): grad norm 3e-4 relative, entropy equal. A broken prefix/suffix split gives O(1) errors.
     common = dict(bf16=True, gradient_checkpointing=True, max_steps=1)
-    _, shared, samples_shared = _train(tiny_vl_path, video_dataset, _args(tmp_path, "shared", **common))
-    _, plain, samples_plain = _train(tiny_vl_path, video_dataset, _args(tmp_path, "plain", rollplex_share_prefix="off",
-                                                                        **common))
+    _, shared, samples_shared = _train(tiny_vl_path, video_dataset_q, _args(tmp_path, "shared", **common))
+    _, plain, samples_plain = _train(tiny_vl_path, video_dataset_q,
+                                     _args(tmp_path, "plain", rollplex_share_prefix="off", **common))
     assert "rollplex/prefix_rows_per_prompt" in shared[0] and "rollplex/prefix_rows_per_prompt" not in plain[0]
     assert samples_shared == samples_plain
     assert shared[0]["grad_norm"] == pytest.approx(plain[0]["grad_norm"], rel=2e-3)
     assert shared[0]["entropy"] == pytest.approx(plain[0]["entropy"], rel=1e-3)
 
 
-def test_two_seeded_runs_with_default_settings_log_the_same(tiny_vl_path, tmp_path, video_dataset):
+def test_two_seeded_runs_with_default_settings_log_the_same(tiny_vl_path, tmp_path, video_dataset_q):
     # defaults: share_prefix auto, overlap auto, bf16 autocast. "auto" must not make a run depend on timing.
-    runs = [_train(tiny_vl_path, video_dataset, _args(tmp_path, f"run{i}", max_steps=3, bf16=True))[1]
+    runs = [_train(tiny_vl_path, video_dataset_q, _args(tmp_path, f"run{i}", max_steps=3, bf16=True))[1]
             for i in range(2)]
     for a, b in zip(*runs, strict=True):
         assert a["rollplex/overlap_active"] == 0.0  # on CPU auto keeps the serial schedule, logged every step
@@ -85,13 +80,13 @@ def test_two_seeded_runs_with_default_settings_log_the_same(tiny_vl_path, tmp_pa
         assert {k: a[k] for k in untimed} == {k: b[k] for k in untimed}
 
 
-def test_evaluation_windows_do_not_count_for_auto(tiny_vl_path, tmp_path, video_dataset, monkeypatch):
+def test_evaluation_windows_do_not_count_for_auto(tiny_vl_path, tmp_path, video_dataset_q, monkeypatch):
     # eval_on_start with auto crashed ('<' between float and None) and evaluation used up the measuring windows.
     monkeypatch.setattr(OverlapSchedule, "auto_measures_on_cpu", True)
     args = _args(tmp_path, "eval", max_steps=4, gradient_accumulation_steps=1, eval_strategy="steps", eval_steps=1,
                  eval_on_start=True, per_device_eval_batch_size=4, rollplex_overlap="auto")
     trainer = RollplexGRPOTrainer(model=str(tiny_vl_path), reward_funcs=RecordingReward(), args=args,
-                                  train_dataset=video_dataset, eval_dataset=video_dataset)
+                                  train_dataset=video_dataset_q, eval_dataset=video_dataset_q)
     trainer.train()
     assert trainer.overlap.decided, "three training windows were seen: auto must have decided"
     active = [r["rollplex/overlap_active"] for r in trainer.state.log_history if "loss" in r]
@@ -99,7 +94,7 @@ def test_evaluation_windows_do_not_count_for_auto(tiny_vl_path, tmp_path, video_
     assert any("eval_loss" in r or "eval_reward" in r for r in trainer.state.log_history)
 
 
-def test_eval_on_start_with_default_settings(tiny_vl_path, tmp_path, video_dataset):
+def test_eval_on_start_with_default_settings(tiny_vl_path, tmp_path, video_dataset_q):
     """Evaluation before the first step and after each one runs with default settings, and evaluates what the
     unshared path evaluates: the same rewards, loss-free metrics and completions as rollplex_share_prefix="off"."""
     runs = {}
@@ -108,7 +103,7 @@ def test_eval_on_start_with_default_settings(tiny_vl_path, tmp_path, video_datas
                      eval_steps=1, eval_on_start=True, per_device_eval_batch_size=4, rollplex_share_prefix=share)
         reward = RecordingReward()
         trainer = RollplexGRPOTrainer(model=str(tiny_vl_path), reward_funcs=reward, args=args,
-                                      train_dataset=video_dataset, eval_dataset=video_dataset)
+                                      train_dataset=video_dataset_q, eval_dataset=video_dataset_q)
         trainer.train()
         runs[share] = ([r for r in trainer.state.log_history if "eval_reward" in r], reward.seen)
     (evals, seen), (off_evals, off_seen) = runs["auto"], runs["off"]

@@ -15,7 +15,7 @@ from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 from rollplex_trl.overlap import OverlapError, OverlapExecutor, OverlapSchedule
 from rollplex_trl.trainers.rollout import TrainerRollout
 
-from helpers import RecordingReward, video_rows
+from helpers import RecordingReward
 
 
 def _config(tmp_path, overlap, **overrides):
@@ -27,11 +27,6 @@ def _config(tmp_path, overlap, **overrides):
     return RollplexGRPOConfig(**kwargs)
 
 
-@pytest.fixture()
-def video_dataset(tmp_path):
-    return Dataset.from_list(video_rows(tmp_path, lambda i: "Q" * i))
-
-
 def _train(model, dataset, tmp_path, overlap, peft_config=None, **overrides):
     reward = RecordingReward()
     trainer = RollplexGRPOTrainer(model=str(model), reward_funcs=reward, args=_config(tmp_path, overlap, **overrides),
@@ -41,10 +36,10 @@ def _train(model, dataset, tmp_path, overlap, peft_config=None, **overrides):
 
 
 @pytest.mark.parametrize("extra", [{}, {"num_iterations": 2, "max_steps": 4}])
-def test_overlap_on_and_off_learn_the_same(tiny_vl_path, tmp_path, video_dataset, extra):
-    on, logs_on, samples_on = _train(tiny_vl_path, video_dataset, tmp_path, "on", **extra)
+def test_overlap_on_and_off_learn_the_same(tiny_vl_path, tmp_path, video_dataset_q, extra):
+    on, logs_on, samples_on = _train(tiny_vl_path, video_dataset_q, tmp_path, "on", **extra)
     rng_on = torch.random.get_rng_state()
-    off, logs_off, samples_off = _train(tiny_vl_path, video_dataset, tmp_path, "off", **extra)
+    off, logs_off, samples_off = _train(tiny_vl_path, video_dataset_q, tmp_path, "off", **extra)
     assert torch.equal(rng_on, torch.random.get_rng_state()), "the prefix jobs consumed random numbers"
     assert samples_on == samples_off, "overlap changed what the rollout sampled"
     assert len(logs_on) == len(logs_off) == extra.get("max_steps", 5)
@@ -64,12 +59,12 @@ def test_overlap_on_and_off_learn_the_same(tiny_vl_path, tmp_path, video_dataset
     assert not any("_can_checkpoint_with_cache" in vars(m) for m in on.model.modules())
 
 
-def test_peft_reference_pass_does_not_change_the_rollout(tiny_vl_path, tmp_path, video_dataset):
+def test_peft_reference_pass_does_not_change_the_rollout(tiny_vl_path, tmp_path, video_dataset_q):
     from peft import LoraConfig
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    _, logs_on, samples_on = _train(tiny_vl_path, video_dataset, tmp_path, "on", peft_config=lora, max_steps=3)
-    _, logs_off, samples_off = _train(tiny_vl_path, video_dataset, tmp_path, "off", peft_config=lora, max_steps=3)
+    _, logs_on, samples_on = _train(tiny_vl_path, video_dataset_q, tmp_path, "on", peft_config=lora, max_steps=3)
+    _, logs_off, samples_off = _train(tiny_vl_path, video_dataset_q, tmp_path, "off", peft_config=lora, max_steps=3)
     assert samples_on == samples_off
     for a, b in zip(logs_on, logs_off, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
@@ -174,7 +169,7 @@ def test_auto_decides_and_logs(tiny_qwen2_path, tmp_path, caplog, monkeypatch):
 
 
 @pytest.mark.parametrize(("overlap", "source"), [("on", "job"), ("off", "job"), ("off", "prefill")])
-def test_the_actor_prefix_job_checkpoints_like_the_training_forward(tiny_vl_path, tmp_path, video_dataset,
+def test_the_actor_prefix_job_checkpoints_like_the_training_forward(tiny_vl_path, tmp_path, video_dataset_q,
                                                                    monkeypatch, overlap, source):
     """The decode window opens inside TRL's generation context, which turns gradient checkpointing off; the actor's
     prefix (kept with its graph until the backward), built by the window's job or kept from the rollout's prefill,
@@ -199,7 +194,7 @@ def test_the_actor_prefix_job_checkpoints_like_the_training_forward(tiny_vl_path
         return real_checkpoint(function, *args, **kwargs)
 
     monkeypatch.setattr(modeling_utils, "checkpoint", counting_checkpoint)  # read when checkpointing is enabled
-    trainer, logs, _ = _train(tiny_vl_path, video_dataset, tmp_path, overlap, max_steps=1, beta=0.0)
+    trainer, logs, _ = _train(tiny_vl_path, video_dataset_q, tmp_path, overlap, max_steps=1, beta=0.0)
     assert trainer.args.gradient_checkpointing and len(logs) == 1
     model = trainer.accelerator.unwrap_model(trainer.model)
     decoder_layers, vision_blocks = list(model.model.language_model.layers), list(model.model.visual.blocks)

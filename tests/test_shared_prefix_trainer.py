@@ -12,8 +12,6 @@ from transformers import AutoTokenizer
 
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 
-from helpers import video_rows
-
 KEYS = ("loss", "reward", "kl", "grad_norm", "entropy")
 
 
@@ -51,11 +49,6 @@ def _assert_equivalent(on, off, steps=5):
             assert key in a, f"{key} missing at step {step}"
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), f"{key} differs at step {step}"
     assert any(abs(r["loss"]) > 0 for r in off) and any(r["grad_norm"] > 0 for r in off)
-
-
-@pytest.fixture()
-def video_dataset(tmp_path):
-    return Dataset.from_list(video_rows(tmp_path))
 
 
 def test_video_gradient_accumulation_and_checkpointing(tiny_vl_path, tmp_path, video_dataset):

@@ -11,7 +11,7 @@ import rollplex_trl.prefix.batch as prefix_batch
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 from rollplex_trl.trainers.verify import GRAD_TOLERANCE, TOLERANCE, audit_spec
 
-from helpers import broken_take_scoring, video_rows
+from helpers import broken_take_scoring
 
 KEYS = ("loss", "reward", "kl", "grad_norm", "entropy")
 PASSES = ("ref", "policy", "actor")
@@ -33,11 +33,6 @@ def _train(model, dataset, tmp_path, name, **overrides):
                                   args=RollplexGRPOConfig(**kwargs), train_dataset=dataset)
     trainer.train()
     return trainer, [r for r in trainer.state.log_history if "loss" in r]
-
-
-@pytest.fixture()
-def video_dataset(tmp_path):
-    return Dataset.from_list(video_rows(tmp_path / "clips"))
 
 
 @pytest.mark.parametrize("defaults", [False, True], ids=["fp32", "trl-defaults"])

@@ -11,19 +11,13 @@ import contextlib
 
 import pytest
 import transformers
-from datasets import Dataset
 
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 from rollplex_trl.trainers.rollout import TrainerRollout
 
-from helpers import WeightCasts, video_rows
+from helpers import WeightCasts
 
 KEYS = ("loss", "reward", "kl", "grad_norm", "entropy")
-
-
-@pytest.fixture
-def video_dataset(tmp_path):
-    return Dataset.from_list(video_rows(tmp_path, lambda i: "Q" * i))
 
 
 def _reward(completions, **kwargs):
@@ -63,9 +57,9 @@ def _train(model_path, dataset, tmp_path, tag, monkeypatch, kept=True, **overrid
     return logs, calls, len(frozen)
 
 
-def test_peft_base_weights_cast_once_per_generate(tiny_vl_path, tmp_path, video_dataset, monkeypatch):
-    kept, kept_calls, frozen = _train(tiny_vl_path, video_dataset, tmp_path, "kept", monkeypatch)
-    plain, plain_calls, _ = _train(tiny_vl_path, video_dataset, tmp_path, "plain", monkeypatch, kept=False)
+def test_peft_base_weights_cast_once_per_generate(tiny_vl_path, tmp_path, video_dataset_q, monkeypatch):
+    kept, kept_calls, frozen = _train(tiny_vl_path, video_dataset_q, tmp_path, "kept", monkeypatch)
+    plain, plain_calls, _ = _train(tiny_vl_path, video_dataset_q, tmp_path, "plain", monkeypatch, kept=False)
     assert kept == plain  # the same values cast: the same training, to the bit
     assert len(kept_calls) == len(plain_calls) == 2
     assert all(0 < casts <= frozen for casts in kept_calls), (kept_calls, frozen)
@@ -73,12 +67,12 @@ def test_peft_base_weights_cast_once_per_generate(tiny_vl_path, tmp_path, video_
 
 
 @pytest.mark.parametrize("overlap", ["on"])
-def test_left_alone_while_the_actor_job_runs_concurrently(tiny_vl_path, tmp_path, video_dataset, monkeypatch,
+def test_left_alone_while_the_actor_job_runs_concurrently(tiny_vl_path, tmp_path, video_dataset_q, monkeypatch,
                                                           overlap):
     """The overlap's actor job builds a graph on the same model during the decode: marking the base weights as
     requiring grad then would give them gradients, so the decode casts them at every step, as TRL does."""
     monkeypatch.setattr(TrainerRollout, "actor_from_prefill", lambda self: False)  # the window's job builds it
-    logs, calls, frozen = _train(tiny_vl_path, video_dataset, tmp_path, "overlap", monkeypatch,
+    logs, calls, frozen = _train(tiny_vl_path, video_dataset_q, tmp_path, "overlap", monkeypatch,
                                  rollplex_overlap=overlap)
     assert len(calls) == 2 and all(casts > frozen for casts in calls), (calls, frozen)
     assert all(r["grad_norm"] > 0 for r in logs)

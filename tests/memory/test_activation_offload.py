@@ -19,13 +19,10 @@ import os
 
 import pytest
 import torch
-from datasets import Dataset
 from test_phase_memory import KEYS, _logs, _trainer
 
 from rollplex_trl.memory import SavedTensorOffload
 from rollplex_trl.memory.storage import HostArena
-
-from helpers import video_rows
 
 
 def _grads(model, x, offload):
@@ -61,11 +58,6 @@ def test_arena_offload_is_exact_and_moves_the_bytes_out(tmp_path):
     offload.release()
     assert offload.parked_bytes_total == 0 and os.fstat(arena.fd).st_size == 0
     arena.close()
-
-
-@pytest.fixture()
-def video_dataset(tmp_path):
-    return Dataset.from_list(video_rows(tmp_path))
 
 
 @pytest.mark.parametrize("defaults", [False, True], ids=["fp32", "trl-defaults"])

@@ -55,11 +55,6 @@ def _trainer(model, dataset, tmp_path, memory, **overrides):
                          train_dataset=dataset)
 
 
-@pytest.fixture()
-def video_dataset(tmp_path):
-    return Dataset.from_list(video_rows(tmp_path))
-
-
 def _logs(trainer):
     return [r for r in trainer.state.log_history if "loss" in r]
 

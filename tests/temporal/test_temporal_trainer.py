@@ -15,8 +15,6 @@ from datasets import Dataset
 
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 
-from helpers import video_rows
-
 G, B = 4, 8  # completions per prompt; rows per generation batch (two prompts)
 KEYS = ("loss", "reward", "reward_std", "grad_norm", "entropy")
 
@@ -50,11 +48,6 @@ def _train(model, dataset, tmp_path, name, reward=None, **overrides):
                                   train_dataset=dataset)
     trainer.train()
     return trainer, [r for r in trainer.state.log_history if "loss" in r]
-
-
-@pytest.fixture()
-def video_dataset(tmp_path):
-    return Dataset.from_list(video_rows(tmp_path / "clips"))
 
 
 @pytest.mark.parametrize("defaults", [False, True], ids=["fp32", "trl-defaults"])
