@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt = sub.add_parser("build-checkpoint", help="write a local checkpoint")
     ckpt.add_argument("--output-dir", required=True)
     ckpt.add_argument("--kind", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen2"])
-    ckpt.add_argument("--preset", default="tiny", choices=["tiny", "small", "3b"])
+    ckpt.add_argument("--preset", default="tiny", choices=["tiny", "demo", "small", "3b"])
     ckpt.add_argument("--seed", type=int, default=0)
     ckpt.set_defaults(func=_build_checkpoint)
 

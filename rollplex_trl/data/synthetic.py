@@ -64,12 +64,16 @@ ANNOTATIONS_NAME = "annotations.jsonl"
 MANIFEST_NAME = "manifest.json"
 VIDEOS_DIR = "videos"
 # Bump when the rendering or the annotation format changes, so that existing datasets are rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 MAX_COUNT = 5
 MAX_COUNT_DISTRACTORS = 3
 MAX_DIRECTION_DISTRACTORS = 2
 FIRST_APPEARED_OBJECTS = 3
+# left_right's object is big (radius 3/14 of the frame, a 12-pixel radius in the 56-pixel frames the main job samples):
+# with the grid's radius (1/14) a tiny model could not even read its colour after the processor's resize, and with
+# 3/14 it learns the direction (benchmarks/probe_left_right.md).
+LEFT_RIGHT_RADIUS_FRACTION = 3 / 14
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,7 @@ class SyntheticVideoConfig:
         if self.split not in SPLITS:
             problems.append(f"split must be one of {SPLITS}, got {self.split!r}")
         if "left_right" in self.tasks and not problems:
-            radius = _Grid.for_frame(self.height, self.width).radius
+            radius = _left_right_radius(self.height, self.width)
             if self.num_frames - 1 > _max_travel(self.width, radius):
                 problems.append(f"left_right moves one whole pixel per frame at least: num_frames ({self.num_frames}) "
                                 f"must be <= {_max_travel(self.width, radius) + 1} at width {self.width}")
@@ -318,6 +322,11 @@ def _make_first_appeared(
     )
 
 
+def _left_right_radius(height: int, width: int) -> int:
+    """The left_right object's radius: LEFT_RIGHT_RADIUS_FRACTION of the smaller side, at least the grid's radius."""
+    return max(_Grid.for_frame(height, width).radius, int(min(height, width) * LEFT_RIGHT_RADIUS_FRACTION))
+
+
 def _max_travel(width: int, radius: int) -> int:
     """Longest left_right path (pixels): half the width, and the object stays one pixel inside the frame."""
     return min(width - 2 * radius - 2, width // 2)
@@ -334,7 +343,7 @@ def _make_left_right(
 ) -> SyntheticSample:
     # Labels alternate over this task's own samples (tasks are assigned round-robin), so each split is balanced.
     direction = LEFT_RIGHT[(problem_id // len(config.tasks)) % 2]
-    radius = grid.radius
+    radius = _left_right_radius(config.height, config.width)
     max_step = _max_travel(config.width, radius) // (config.num_frames - 1)
     min_travel = -(-config.width // 4)  # a quarter of the width, rounded up
     min_step = max(1, min(max_step, -(-min_travel // (config.num_frames - 1))))

@@ -7,6 +7,8 @@ the same ``from_pretrained`` code paths a user's Qwen checkpoint would.
 
 Presets:
 - ``tiny``: unit tests; a few hundred thousand parameters, loads in well under 2 s.
+- ``demo``: the main job; the tiny vision tower under a wider language model (hidden 128, 8 heads), the smallest
+  shape that learned the left_right task behind Video-R1's prompt template (benchmarks/probe_left_right.md).
 - ``small``: benchmarks; head_dim 64 (vLLM's CPU attention rejects 16) and tens of millions of parameters.
 """
 
@@ -105,6 +107,11 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset(
         text=TextPreset(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, mrope_section=(2, 3, 3)),
+        vision=VisionPreset(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, fullatt_block_indexes=(1,)),
+    ),
+    "demo": Preset(
+        text=TextPreset(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=2, mrope_section=(2, 3, 3)),
         vision=VisionPreset(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, fullatt_block_indexes=(1,)),
     ),
     "small": Preset(
