@@ -4,7 +4,7 @@ Runs `rollplex-trl demo` (its defaults unless options are passed after `--`) onc
 and writes the per-seed tables, their mean and range, and a picture of every seed's curves:
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_main_job.py [--seeds 0 1 2] \
-        --out benchmarks/results/main_job.json --picture docs/images/main_job.png [-- --steps 50]
+        --out benchmarks/results/main_job.json --picture docs/main-job.png [-- --steps 50]
 
 `benchmarks/report.py` prints the table in docs/benchmarks.md and in the README (between its
 `<!-- main-job-table -->` markers).
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", default="benchmarks/results/main_job.json")
-    parser.add_argument("--picture", default="docs/images/main_job.png")
+    parser.add_argument("--picture", default="docs/main-job.png")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rollplex-main-job-") as folder:
         runs = {}

@@ -5,7 +5,7 @@ compares, how to run it) and a fixed list of caveats. Each file's line shows whe
 CPU, date and command, which `bench_common.run_meta` records; "not recorded" in files that predate it) and its
 workload fields. Medians are printed as the benchmarks stored them, not recomputed.
 
-Usage:  .venv/bin/python benchmarks/report.py           # write docs/benchmarks.md
+Usage:  .venv/bin/python benchmarks/report.py           # write docs/benchmarks.md (and the README's main-job table)
         .venv/bin/python benchmarks/report.py --check   # exit 1 when docs/benchmarks.md is not what it would write
 """
 
@@ -22,6 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
+# the README's main-job table sits between these markers and is written from main_job.json like this page
+README_MARKERS = ("<!-- main-job-table -->", "<!-- /main-job-table -->")
 MIB = 2**20
 NONE = "–"
 
@@ -318,10 +321,41 @@ def render_memory(data: dict) -> str:
     return text
 
 
+MAIN_JOB_COLUMNS = (("sampled", "held-out accuracy, sampled"), ("greedy", "greedy"), ("format", "format"))
+
+
+def main_job_table(data: dict) -> str:
+    """Mean [min–max] over the seeds of the main job's held-out table (also the README's table)."""
+    def cell(row, column):
+        values = row.get(column) or {}
+        return f"{num(values.get('mean'))} [{num(values.get('min'))}–{num(values.get('max'))}]"
+
+    return table(["model", *(heading for _, heading in MAIN_JOB_COLUMNS)],
+                 [[model, *(cell(row, column) for column, _ in MAIN_JOB_COLUMNS)]
+                  for model, row in data.get("table", {}).items()])
+
+
+def render_main_job(data: dict) -> str:
+    text = main_job_table(data) + "\n\nPer seed (sampled / greedy held-out accuracy, and the job's wall time):\n\n"
+    runs = data.get("runs", {})
+    return text + table(
+        ["seed", "random", "SFT", "GRPO", "seconds"],
+        [[seed, *(f"{num(get(run, 'heldout', m, 'sampled'))} / {num(get(run, 'heldout', m, 'greedy'))}"
+                  for m in ("random", "SFT", "GRPO")), num(run.get("seconds"))] for seed, run in runs.items()])
+
+
 # ---- the page -------------------------------------------------------------------------------------------------------
 
 # (heading, sentence, [(file glob, renderer, optional (### heading, sentence) for a second script)])
 SECTIONS = [
+    ("## The main job learns (`benchmarks/bench_main_job.py`)",
+     "`rollplex-trl demo` (SFT cold start with TRL's `SFTTrainer`, then `RollplexGRPOTrainer`, on the left_right "
+     "video task) once per seed in fresh processes: held-out accuracy of the random, the SFT and the GRPO model, "
+     "mean [min–max] over the seeds (sampled: the accuracy reward of 4 answers per question at temperature 1, what "
+     "the training reward measures; greedy: one answer; format: Video-R1's format reward of the sampled answers); "
+     "run `OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_main_job.py [--seeds 0 1 2] "
+     "--out benchmarks/results/main_job.json --picture docs/main-job.png`.",
+     [("main_job*.json", render_main_job, None)]),
     ("## Shared prefix (`benchmarks/bench_shared_prefix.py`)",
      "Serial scoring (`rollplex_share_prefix=\"off\"`: TRL's full forward per completion) against the shared prefix "
      "(cascade suffix attention, the CPU path; the concat path and the two `auto` decisions where recorded) on the "
@@ -407,11 +441,30 @@ def render(results: Path = RESULTS) -> str:
     return "\n".join(parts)
 
 
+def readme_with_table(readme: str, results: Path = RESULTS) -> str:
+    """The README with the main-job table between its markers rewritten from main_job.json."""
+    start, end = README_MARKERS
+    if start not in readme or end not in readme:
+        raise SystemExit(f"README.md has no {start} ... {end} block for the main job's table")
+    head, rest = readme.split(start, 1)
+    _, tail = rest.split(end, 1)
+    data = json.loads((results / "main_job.json").read_text())
+    return f"{head}{start}\n{main_job_table(data)}\n{end}{tail}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md is out of date")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if docs/benchmarks.md or the README's main-job table is out of date")
     args = parser.parse_args(argv)
     text = render()
+    readme = README.read_text()
+    if readme_with_table(readme) != readme:
+        if args.check:
+            print("README.md's main-job table is out of date: run `python benchmarks/report.py`")
+            return 1
+        README.write_text(readme_with_table(readme))
+        print("wrote the main-job table in README.md")
     if args.check:
         current = DOC.read_text() if DOC.exists() else ""
         if current != text:

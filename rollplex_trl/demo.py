@@ -104,9 +104,10 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.sft_steps > 0:
         start_model = _cold_start(model_path, train, sampling, args, out / "sft")
         table["SFT"] = evaluate.table_row(_load(start_model)[0])
-    trainer, curve = _grpo(start_model, train, evaluate, args, out)
-    curve.insert(0, (0, table["SFT" if args.sft_steps > 0 else "random"]["sampled"]))
-    table["GRPO"] = evaluate.table_row(trainer.model)
+    trainer, steps, scores = _grpo(start_model, train, evaluate, args, out)
+    table["GRPO"] = evaluate.table_row(trainer.model, sampled=scores[-1])
+    curve = [(0, table["SFT" if args.sft_steps > 0 else "random"]["sampled"])]
+    curve += [(step, score.accuracy) for step, score in zip(steps, scores, strict=True)]
 
     final = Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
     rewards = [(r["step"], r[ACCURACY_KEY]) for r in trainer.state.log_history if ACCURACY_KEY in r]
@@ -155,10 +156,11 @@ class _Evaluator:
                                 max_new_tokens=self.args.max_completion_length, samples=self.args.eval_samples,
                                 do_sample=True)
 
-    def table_row(self, model: Any) -> dict[str, float]:
+    def table_row(self, model: Any, sampled: Any = None) -> dict[str, float]:
+        """The model's row of the table; `sampled`: its sampled score if already measured (the curve's last point)."""
         from rollplex_trl.evaluation import heldout_accuracy
 
-        sampled = self.sampled(model)
+        sampled = sampled or self.sampled(model)
         greedy = heldout_accuracy(model, self.processor, self.heldout, self.sampling,
                                   max_new_tokens=self.args.max_completion_length)
         return {"sampled": sampled.accuracy, "greedy": greedy.accuracy, "format": sampled.format}
@@ -170,6 +172,7 @@ def _cold_start(model_path: Path, train: Any, sampling: Any, args: argparse.Name
     import torch
     from trl import SFTConfig, SFTTrainer
 
+    from rollplex_trl.callbacks.console import use_compact_console
     from rollplex_trl.data.sft import VideoSFTCollator
 
     model, processor = _load(model_path)
@@ -178,10 +181,10 @@ def _cold_start(model_path: Path, train: Any, sampling: Any, args: argparse.Name
         learning_rate=args.sft_learning_rate, lr_scheduler_type="constant", logging_steps=max(1, args.sft_steps // 4),
         save_strategy="no", report_to=[], seed=args.seed, bf16=False, use_cpu=not torch.cuda.is_available(),
         remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True}, dataloader_num_workers=0,
-        disable_tqdm=True,
     )
     trainer = SFTTrainer(model=model, args=config, train_dataset=train, processing_class=processor,
                          data_collator=VideoSFTCollator(processor, sampling))
+    use_compact_console(trainer)
     print(f"[rollplex-trl] SFT cold start: {args.sft_steps} steps of TRL's SFTTrainer")
     t0 = time.perf_counter()
     trainer.train()
@@ -200,13 +203,16 @@ def _grpo(start_model: Path, train: Any, evaluate: _Evaluator, args: argparse.Na
     from rollplex_trl.callbacks.jsonl import JsonlLoggerCallback
     from rollplex_trl.data import accuracy_reward, format_reward
 
-    curve: list[tuple[int, float]] = []
+    steps: list[int] = []  # the GRPO steps after which the held-out accuracy was measured (the last one included)
+    scores: list[Any] = []
 
     class HeldoutEvery(TrainerCallback):
         def on_step_end(self, _args, state, control, model=None, **kwargs):
             if state.global_step % args.eval_every == 0 or state.global_step == state.max_steps:
-                curve.append((state.global_step, evaluate.sampled(model).accuracy))
-                print(f"[rollplex-trl] held-out accuracy after GRPO step {state.global_step}: {curve[-1][1]:.3f}")
+                steps.append(state.global_step)
+                scores.append(evaluate.sampled(model))
+                print(f"[rollplex-trl] held-out accuracy after GRPO step {state.global_step}: "
+                      f"{scores[-1].accuracy:.3f}")
 
     config = RollplexGRPOConfig(
         output_dir=str(out / "checkpoints"), max_steps=args.steps,
@@ -225,7 +231,7 @@ def _grpo(start_model: Path, train: Any, evaluate: _Evaluator, args: argparse.Na
     print(f"[rollplex-trl] GRPO: {args.steps} steps of RollplexGRPOTrainer, {args.prompts_per_step} prompts x "
           f"{args.num_generations} completions per step")
     trainer.train()
-    return trainer, curve
+    return trainer, steps, scores
 
 
 def format_table(table: dict[str, dict[str, float]], questions: int, samples: int) -> str:

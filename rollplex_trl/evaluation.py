@@ -20,25 +20,37 @@ from rollplex_trl.inference import video_question_inputs
 
 @dataclass(frozen=True)
 class HeldoutScore:
-    """Mean Video-R1 accuracy and format rewards over the answers, and how many answers were scored."""
+    """Mean Video-R1 accuracy and format rewards over the answers, how many answers were scored, and their texts
+    (row by row, ``samples`` per row)."""
 
     accuracy: float
     format: float
     answers: int
+    texts: tuple[str, ...] = ()
 
 
 def heldout_accuracy(model: Any, processor: Any, rows: Any, sampling: VideoSamplingConfig, *,
                      max_new_tokens: int, samples: int = 1, do_sample: bool = False,
-                     temperature: float = 1.0) -> HeldoutScore:
+                     temperature: float = 1.0, seed: int = 0) -> HeldoutScore:
     """Score ``model``'s answers to ``rows`` (a Video-R1 dataset or a list of its rows) with ``accuracy_reward``.
 
-    The model is put in eval mode for the call and restored after. Raises ``RollplexDataError`` (naming the file)
-    if a video cannot be read.
+    The model is put in eval mode for the call and restored after. Sampling draws from its own generator state,
+    seeded with ``seed`` (torch's global state is saved and restored): the same model gets the same score, and
+    evaluating in the middle of a training run does not change that run's later samples. Raises
+    ``RollplexDataError`` (naming the file) if a video cannot be read.
     """
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return _score(model, processor, rows, sampling, max_new_tokens=max_new_tokens, samples=samples,
+                      do_sample=do_sample, temperature=temperature)
+
+
+def _score(model: Any, processor: Any, rows: Any, sampling: VideoSamplingConfig, *, max_new_tokens: int,
+           samples: int, do_sample: bool, temperature: float) -> HeldoutScore:
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    accuracy, formats = [], []
+    accuracy, formats, texts = [], [], []
     try:
         for row in rows:
             inputs = video_question_inputs(processor, row["video"], row["prompt"], sampling=sampling, device=device)
@@ -51,7 +63,9 @@ def heldout_accuracy(model: Any, processor: Any, rows: Any, sampling: VideoSampl
             accuracy += accuracy_reward(answers, [row["solution"]] * samples, row["problem_type"],
                                         problem_id=[row.get("problem_id")] * samples)
             formats += format_reward(answers)
+            texts += answers
     finally:
         model.train(was_training)
     n = len(accuracy)
-    return HeldoutScore(accuracy=sum(accuracy) / max(1, n), format=sum(formats) / max(1, n), answers=n)
+    return HeldoutScore(accuracy=sum(accuracy) / max(1, n), format=sum(formats) / max(1, n), answers=n,
+                        texts=tuple(texts))

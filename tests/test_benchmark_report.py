@@ -53,6 +53,12 @@ SHAPES = {
                                         "expanded": {"decode_step_s": 0.05}, "shared": {"decode_step_s": 0.04},
                                         "decode_speedup": 1.25, "kv_ratio": 0.21, "kv_ratio_ideal": 0.2}]},
                              "1.25×"),
+    "main_job_x.json": ({"table": {"SFT": {c: {"mean": 0.5, "min": 0.4, "max": 0.6} for c in ("sampled", "greedy",
+                                                                                        "format")},
+                                   "GRPO": {c: {"mean": 0.875, "min": 0.75, "max": 1.0} for c in ("sampled", "greedy",
+                                                                                              "format")}},
+                         "runs": {"0": {"heldout": {"GRPO": {"sampled": 0.9, "greedy": 0.95}}, "seconds": 120.0}}},
+                        "0.875 [0.750–1.00]"),
     "memory_x.json": ({"summary": {"off": {"step_s": 2.0, "step_peak_bytes": 3 * 2**20},
                                    "on": {"step_s": 2.2, "step_peak_bytes": 2 * 2**20},
                                    "peak_drop_bytes": 2**20, "step_ratio": 1.1}, "runs": {}}, "1.10×"),
@@ -82,6 +88,17 @@ def test_run_meta_fields_are_shown(tmp_path):
     for value in ("`abc1234-dirty`", "Test CPU 9000", "2026-12-04T10:00:00+00:00",
                   "`OMP_NUM_THREADS=2 python benchmarks/bench_vs_trl.py --fp32`", "precision fp32"):
         assert value in flat
+
+
+def test_readme_table_is_rewritten_between_its_markers(tmp_path):
+    report = _report()
+    (tmp_path / "main_job.json").write_text(json.dumps(SHAPES["main_job_x.json"][0]))
+    readme = "intro\n<!-- main-job-table -->\nstale\n<!-- /main-job-table -->\nrest\n"
+    written = report.readme_with_table(readme, tmp_path)
+    assert written.startswith("intro\n<!-- main-job-table -->\n| model |") and written.endswith("rest\n")
+    assert "stale" not in written and "| GRPO | 0.875 [0.750–1.00]" in written
+    with pytest.raises(SystemExit, match="main-job-table"):
+        report.readme_with_table("no markers", tmp_path)
 
 
 def test_a_result_without_a_section_is_an_error(tmp_path):

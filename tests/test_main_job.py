@@ -10,20 +10,26 @@ from rollplex_trl.cli import build_parser, main
 from rollplex_trl.demo import add_demo_arguments, answer_mention_reward
 
 
-def test_demo_trains_two_steps(tmp_path, monkeypatch, capsys):
+def test_demo_runs_every_stage(tmp_path, monkeypatch, capsys):
+    """A short main job: SFT, GRPO, the held-out table, results.json, both pictures and a loadable checkpoint."""
     monkeypatch.setenv("ROLLPLEX_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "demo"
-    assert main(["demo", "--output-dir", str(out), "--steps", "2", "--num-samples", "4", "--threads", "2"]) == 0
+    argv = ["demo", "--output-dir", str(out), "--preset", "tiny", "--sft-steps", "2", "--steps", "2",
+            "--num-samples", "4", "--heldout-samples", "2", "--eval-every", "1", "--eval-samples", "2",
+            "--threads", "2"]
+    assert main(argv) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[-1].startswith("[rollplex-trl] done. checkpoint: ")
     checkpoint = out / "checkpoints" / "checkpoint-2"
-    assert str(checkpoint) in printed[-1] and str(out / "logs.jsonl") in printed[-1]
+    for path in (checkpoint, out / "logs.jsonl", out / "results.json"):
+        assert str(path) in printed[-1]
 
     records = [json.loads(line) for line in (out / "logs.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     # the console: one compact line per step (the dictionaries are in logs.jsonl), the first with the audit
-    step_lines = [line for line in printed if line.startswith("[rollplex-trl] step ")]
+    # (SFT's own lines come first, with a loss and no reward)
+    step_lines = [line for line in printed if line.startswith("[rollplex-trl] step ") and "reward" in line]
     assert [line.split(" · ")[0] for line in step_lines] == ["[rollplex-trl] step 1/2", "[rollplex-trl] step 2/2"]
     assert f"reward {steps[0]['reward']:.3f}" in step_lines[0] and "audit ok" in step_lines[0]
     assert not any(line.lstrip().startswith("{'loss'") for line in printed)
@@ -31,9 +37,26 @@ def test_demo_trains_two_steps(tmp_path, monkeypatch, capsys):
         assert "reward" in r and "rewards/accuracy_reward/mean" in r and "rewards/format_reward/mean" in r
         assert "rollplex/skipped_samples" in r
 
+    # the table: one row per model, the numbers those of results.json
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["heldout"]) == ["random", "SFT", "GRPO"]
+    header = next(i for i, line in enumerate(printed) if line.startswith("[rollplex-trl] held-out accuracy ("))
+    for offset, (name, row) in enumerate(results["heldout"].items(), start=2):
+        assert printed[header + offset].split() == [name, f"{row['sampled']:.3f}", f"{row['greedy']:.3f}",
+                                                   f"{row['format']:.3f}"]
+    # the curve: the SFT model at step 0, then every GRPO step (eval-every 1); the rollouts' accuracy per step
+    assert [step for step, _ in results["heldout_curve"]] == [0, 1, 2]
+    assert results["heldout_curve"][0][1] == results["heldout"]["SFT"]["sampled"]
+    assert results["heldout_curve"][-1][1] == results["heldout"]["GRPO"]["sampled"]
+    assert [step for step, _ in results["accuracy_reward_curve"]] == [1, 2]
+    assert results["accuracy_reward_curve"][0][1] == steps[0]["rewards/accuracy_reward/mean"]
+    for picture in (out / "learning_curve.png", out / "checkpoints" / "rollplex_timeline.png"):
+        assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint)
     assert sum(p.numel() for p in model.model.visual.parameters()) > 0
-    AutoProcessor.from_pretrained(out / "checkpoints" / "checkpoint-2")
+    AutoProcessor.from_pretrained(checkpoint)
+    assert (out / "sft" / "model" / "config.json").is_file()
 
 
 def test_cli_demo_and_demo_module_share_options():
