@@ -1,14 +1,15 @@
-"""The main job as a script: a short GRPO training of a local Qwen2.5-VL on the synthetic video task.
+"""The main job as a script: an SFT cold start, then GRPO, of a local Qwen2.5-VL on a synthetic video task.
 
 The same job, with the same options, as `rollplex-trl demo` and `bash scripts/demo.sh` (they all call
-`rollplex_trl.demo.run_demo`). It builds a tiny Qwen2.5-VL locally (no model hub), writes real MP4 clips of the
-synthetic task in Video-R1 format, trains with `RollplexGRPOTrainer` and Video-R1's rewards, and ends with
+`rollplex_trl.demo.run_demo`, docs/main-job.md). It builds a small Qwen2.5-VL locally (no model hub), writes real
+MP4 clips of the left_right task in Video-R1 format (train and held-out), fine-tunes with TRL's SFTTrainer, trains
+with `RollplexGRPOTrainer` and Video-R1's rewards, prints the held-out accuracy table and ends with
 
-    [rollplex-trl] done. checkpoint: .../checkpoints/checkpoint-8 | logs: .../logs.jsonl
+    [rollplex-trl] done. checkpoint: .../checkpoints/checkpoint-100 | logs: .../logs.jsonl | results: .../results.json
 
 Run:
-    .venv/bin/python examples/demo.py                          # 8 steps into runs/demo
-    .venv/bin/python examples/demo.py --steps 2 --output-dir /tmp/demo
+    .venv/bin/python examples/demo.py                          # about 2 minutes on 2 cores, into runs/demo
+    .venv/bin/python examples/demo.py --sft-steps 20 --steps 2 --output-dir /tmp/demo
     .venv/bin/python examples/demo.py --help                   # every option
 """
 

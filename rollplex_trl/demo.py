@@ -59,7 +59,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--num-samples", type=int, default=256, help="training clips to generate")
     parser.add_argument("--heldout-samples", type=int, default=64, help="held-out clips (disjoint scenes)")
     parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (G)")
-    parser.add_argument("--prompts-per-step", type=int, default=4, help="prompts per optimizer step")
+    parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts per optimizer step")
     parser.add_argument("--max-completion-length", type=int, default=24)
     parser.add_argument("--frames", type=int, default=8, help="frames per clip (and most frames sampled)")
     parser.add_argument("--size", type=int, default=112, help="clip height and width in pixels")

@@ -76,11 +76,13 @@ def test_train_video_r1(tiny_vl_path, tmp_path):
 def test_demo_example(tiny_vl_path, tmp_path):
     """examples/demo.py is the main job (`rollplex-trl demo`): same options, same final line, same outputs."""
     out = tmp_path / "demo"
-    stdout = _run("demo.py", ["--output-dir", str(out), "--steps", "1", "--num-samples", "2", "--num-generations", "2",
-                              "--prompts-per-step", "1", "--max-completion-length", "8", "--frames", "4", "--size",
-                              "56", "--threads", "2"], _cache_of(tiny_vl_path))
+    stdout = _run("demo.py", ["--output-dir", str(out), "--preset", "tiny", "--sft-steps", "1", "--steps", "1",
+                              "--num-samples", "2", "--heldout-samples", "1", "--eval-samples", "1",
+                              "--num-generations", "2", "--prompts-per-step", "1", "--max-completion-length", "8",
+                              "--frames", "4", "--size", "56", "--threads", "2"], _cache_of(tiny_vl_path))
     checkpoint, log_file = out / "checkpoints" / "checkpoint-1", out / "logs.jsonl"
-    assert stdout.strip().splitlines()[-1] == f"[rollplex-trl] done. checkpoint: {checkpoint} | logs: {log_file}"
+    assert stdout.strip().splitlines()[-1] == (f"[rollplex-trl] done. checkpoint: {checkpoint} | logs: {log_file} | "
+                                               f"results: {out / 'results.json'}")
     assert (checkpoint / "model.safetensors").exists()
     assert len(_losses([json.loads(line) for line in log_file.read_text().splitlines()])) == 1
 
