@@ -16,7 +16,7 @@ def test_demo_runs_every_stage(tmp_path, monkeypatch, capsys):
     out = tmp_path / "demo"
     argv = ["demo", "--output-dir", str(out), "--preset", "tiny", "--sft-steps", "2", "--steps", "2",
             "--num-samples", "4", "--heldout-samples", "2", "--eval-every", "1", "--eval-samples", "2",
-            "--threads", "2"]
+            "--prompts-per-step", "2", "--num-generations", "4", "--threads", "2"]
     assert main(argv) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[-1].startswith("[rollplex-trl] done. checkpoint: ")
@@ -36,6 +36,7 @@ def test_demo_runs_every_stage(tmp_path, monkeypatch, capsys):
     for r in steps:
         assert "reward" in r and "rewards/accuracy_reward/mean" in r and "rewards/format_reward/mean" in r
         assert "rollplex/skipped_samples" in r
+        assert r["rollplex/temporal_shuffled_completions"] == 2 * 2  # T-GRPO on: G/2 shuffled per prompt
 
     # the table: one row per model, the numbers those of results.json
     results = json.loads((out / "results.json").read_text())
