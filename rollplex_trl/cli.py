@@ -1,9 +1,9 @@
 """The `rollplex-trl` command.
 
-- `rollplex-trl demo`: the main job (`rollplex_trl.demo`, also `examples/demo.py`). Builds a local Qwen2.5-VL
-  checkpoint and the synthetic video task (real MP4 files), trains a few GRPO steps with `RollplexGRPOTrainer`, and
-  says where the checkpoint and logs went.
-- `rollplex-trl build-checkpoint`: writes a local checkpoint (tiny/small Qwen2.5-VL or Qwen2).
+- `rollplex-trl demo`: the main job (`rollplex_trl.demo`, also `examples/demo.py`, docs/main-job.md). Builds a
+  local Qwen2.5-VL checkpoint and the synthetic left_right video task (real MP4 files, train and held-out), runs an
+  SFT cold start and GRPO with `RollplexGRPOTrainer`, and prints the held-out accuracy of each stage.
+- `rollplex-trl build-checkpoint`: writes a local checkpoint (tiny/demo/small Qwen2.5-VL or Qwen2).
 - `rollplex-trl make-synthetic`: writes the synthetic video task in Video-R1 format.
 - `rollplex-trl ask --checkpoint DIR --video FILE "question"`: a trained checkpoint's answer, frames sampled as in
   its training (recorded in the checkpoint's config).
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="main job: short GRPO training on the synthetic video task")
+    demo = sub.add_parser("demo", help="main job: SFT, then GRPO on the synthetic video task; held-out accuracy")
     add_demo_arguments(demo)
     demo.set_defaults(func=_demo)
 
