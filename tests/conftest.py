@@ -45,3 +45,25 @@ def video_dataset_q(tmp_path):
     from helpers import video_rows
 
     return Dataset.from_list(video_rows(tmp_path / "clips", lambda i: "Q" * i))
+
+
+@pytest.fixture()
+def notices():
+    """The messages `rollplex_trl.notices.notice` logs during the test, in order (a handler on the notices' logger,
+    which does not propagate to the root logger that caplog watches)."""
+    import logging
+
+    from rollplex_trl.notices import notice_logger
+
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler, logger = Collect(), notice_logger()
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)

@@ -119,15 +119,14 @@ def _text_dataset():
     return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"count {i} " * (i + 1)}] for i in range(4)]})
 
 
-def test_beam_search_falls_back_to_trls_generate(tiny_qwen2_path, tmp_path, caplog):
+def test_beam_search_falls_back_to_trls_generate(tiny_qwen2_path, tmp_path, notices):
     # crashed in the shared prefill ("Sizes of tensors must match ... Expected size 3 but got size 6")
     args = _args(tmp_path, "beams", max_steps=1, gradient_accumulation_steps=1, generation_kwargs={"num_beams": 2},
                  num_generations=2, per_device_train_batch_size=2)
     trainer = RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=RecordingReward(), args=args,
                                   train_dataset=_text_dataset())
-    with caplog.at_level("WARNING"):
-        trainer.train()
-    assert "shared prefill off for generation (num_beams=2" in caplog.text
+    trainer.train()
+    assert any(m.startswith("shared prefill off for generation (num_beams=2") for m in notices), notices
     assert math.isfinite(trainer.state.log_history[0]["loss"])
 
 

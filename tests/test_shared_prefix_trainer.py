@@ -4,7 +4,6 @@ The rollout is part of the comparison: with sharing on, the transformers rollout
 samples must still be the same, or rewards (and everything after) would differ.
 """
 
-import logging
 
 import pytest
 from datasets import Dataset
@@ -95,7 +94,7 @@ def test_video_peft_reference_is_adapter_disabled(tiny_vl_path, tmp_path, video_
     assert off[0]["kl"] > 0, "with a non-zero adapter the policy differs from the adapter-disabled reference"
 
 
-def test_share_prefix_on_refuses_unsupported_configs(tiny_qwen2_path, tmp_path, caplog, monkeypatch):
+def test_share_prefix_on_refuses_unsupported_configs(tiny_qwen2_path, tmp_path, notices, monkeypatch):
     import rollplex_trl.trainers.plan as plan
 
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]] * 4})
@@ -103,11 +102,10 @@ def test_share_prefix_on_refuses_unsupported_configs(tiny_qwen2_path, tmp_path, 
     with pytest.raises(ValueError, match="rollplex_share_prefix.*model type 'qwen2'"):
         RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=varied_reward, train_dataset=dataset,
                             args=_config(tmp_path, "on"))
-    with caplog.at_level(logging.WARNING):
-        trainer = RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=varied_reward,
-                                      train_dataset=dataset, args=_config(tmp_path, "auto", max_steps=1))
+    trainer = RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=varied_reward,
+                                  train_dataset=dataset, args=_config(tmp_path, "auto", max_steps=1))
     assert not trainer.plan.share_scoring and not trainer.plan.share_actor
-    assert "rollplex_share_prefix: off" in caplog.text and "qwen2" in caplog.text
+    assert any("rollplex_share_prefix: off" in m and "qwen2" in m for m in notices), notices
     trainer.train()  # and training still works, on TRL's full forward
     assert not any("rollplex/prefix_rows_per_prompt" in r for r in trainer.state.log_history)
 
@@ -135,7 +133,7 @@ def _text_dataset():
 
 
 @pytest.mark.parametrize("defaults", [False, True], ids=["fp32", "trl-defaults"])
-def test_auto_shares_only_where_the_modelled_cost_says_it_pays(tiny_qwen2_path, tiny_vl_path, tmp_path, caplog,
+def test_auto_shares_only_where_the_modelled_cost_says_it_pays(tiny_qwen2_path, tiny_vl_path, tmp_path, notices,
                                                                 video_dataset, defaults):
     """rollplex_share_prefix="auto" decides once, at the first rollout, from the prompts and max_completion_length
     (prefix/cost.py): short text prompts with long completions and the concat suffix (what CUDA runs) -> off, and
@@ -144,17 +142,16 @@ def test_auto_shares_only_where_the_modelled_cost_says_it_pays(tiny_qwen2_path, 
     gradient checkpointing, beta 0, dapo)."""
     extra = dict(bf16=True, gradient_checkpointing=True, beta=0.0, loss_type="dapo") if defaults else {}
     low = dict(max_steps=2, max_completion_length=96, rollplex_suffix_attention="concat", **extra)
-    with caplog.at_level(logging.WARNING):
-        trainer = RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=varied_reward,
-                                      train_dataset=_text_dataset(),
-                                      args=_config(tmp_path, "auto", output_dir=str(tmp_path / "low-auto"),
-                                                   rollplex_overlap="auto", **low))
-        assert trainer.plan.share_scoring and trainer.overlap is not None  # undecided until the first rollout
-        trainer.train()
+    trainer = RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=varied_reward,
+                                  train_dataset=_text_dataset(),
+                                  args=_config(tmp_path, "auto", output_dir=str(tmp_path / "low-auto"),
+                                               rollplex_overlap="auto", **low))
+    assert trainer.plan.share_scoring and trainer.overlap is not None  # undecided until the first rollout
+    trainer.train()
     choice = trainer.sharing.decision.choice
     assert choice is not None and not choice.share, choice
     assert choice.shape.completion_tokens == 96 and choice.shape.prompt_share < 0.5
-    assert "rollplex_share_prefix=auto: off" in caplog.text
+    assert any(m.startswith("rollplex_share_prefix=auto: off") for m in notices), notices
     assert not trainer.sharing.on
     # the support decision (what the configuration allows) stays as made at construction: decided once
     assert trainer.plan.share_scoring and trainer.plan.share_actor
@@ -182,18 +179,17 @@ def test_auto_shares_only_where_the_modelled_cost_says_it_pays(tiny_qwen2_path, 
 
 
 
-def test_forced_overlap_keeps_auto_sharing_on(tiny_qwen2_path, tmp_path, caplog):
+def test_forced_overlap_keeps_auto_sharing_on(tiny_qwen2_path, tmp_path, notices):
     """rollplex_overlap="on" needs the shared prefix. With rollplex_share_prefix="auto" on a batch where the cost
     model would turn sharing off (short text prompts, long completions, concat suffix: the case above), the forced
     setting holds: sharing is not left to the cost model (logged once), the overlap window stays and prefix work
     runs in it; the run's numbers are those of the "on" run."""
     low = dict(max_steps=2, max_completion_length=96, rollplex_suffix_attention="concat", rollplex_overlap="on")
-    with caplog.at_level(logging.WARNING):
-        trainer = RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=varied_reward,
-                                      train_dataset=_text_dataset(),
-                                      args=_config(tmp_path, "auto", output_dir=str(tmp_path / "forced"), **low))
-        trainer.train()
-    assert caplog.text.count("rollplex_share_prefix=auto: on, not left to the cost model") == 1
+    trainer = RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=varied_reward,
+                                  train_dataset=_text_dataset(),
+                                  args=_config(tmp_path, "auto", output_dir=str(tmp_path / "forced"), **low))
+    trainer.train()
+    assert sum("rollplex_share_prefix=auto: on, not left to the cost model" in m for m in notices) == 1
     assert trainer.sharing.decision is None
     assert trainer.sharing.on and trainer.plan.share_actor and trainer.overlap is not None
     forced = [r for r in trainer.state.log_history if "loss" in r]

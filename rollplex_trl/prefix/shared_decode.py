@@ -23,7 +23,6 @@ prompt (causality and anything HF masks there).
 from __future__ import annotations
 
 import contextlib
-import logging
 import sys
 import threading
 from collections.abc import Iterator
@@ -33,9 +32,8 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rollplex_trl import trl_compat
+from rollplex_trl.notices import notice
 from rollplex_trl.prefix.cascade import RowGroups, cascade_attention, group_rows
-
-logger = logging.getLogger(__name__)
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 # "auto" decodes with the shared prefix from this many completions per prompt on. Measured on CPU
@@ -255,7 +253,7 @@ def register_attention() -> None:
 def log_once(reason: str) -> None:
     if reason not in _LOGGED:
         _LOGGED.add(reason)
-        logger.warning("rollplex: shared-prefix decoding off, the expanded-cache path is used: %s", reason)
+        notice(f"shared-prefix decoding off, the expanded-cache path is used: {reason}")
 
 
 def _attention_modules(causal_lm: nn.Module) -> list[nn.Module]:

@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from rollplex_trl.notices import notice
 from rollplex_trl.rollout.layout import (
     Target,
     alias_blockers,
@@ -138,10 +139,10 @@ class WeightSync:
             install_alias(sources[name].param, self.model.live(piece.dst_name), piece)
         if reasons_seen:
             summary = "; ".join(f"{n} tensors: {r}" for r, n in sorted(reasons_seen.items(), key=lambda x: -x[1]))
-            logger.warning("weight sync: %d tensors aliased (zero-copy), %d copied at each sync (%s)",
-                           len(plan.aliased), len(plan.alias_refused), summary)
+            notice(f"weight sync: {len(plan.aliased)} tensors aliased (zero-copy), {len(plan.alias_refused)} copied "
+                   f"at each sync ({summary})")
         else:
-            logger.warning("weight sync: all %d tensors aliased (zero-copy)", len(plan.aliased))
+            notice(f"weight sync: all {len(plan.aliased)} tensors aliased (zero-copy)")
 
     @property
     def aliased_names(self) -> list[str]:

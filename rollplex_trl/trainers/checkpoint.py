@@ -36,6 +36,7 @@ import torch
 from safetensors import safe_open
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
+from rollplex_trl.notices import notice
 from rollplex_trl.trl_compat import RepeatSampler
 
 logger = logging.getLogger(__name__)
@@ -73,9 +74,9 @@ def load_model_weights(model: torch.nn.Module, checkpoint_dir: str) -> None:
     fresh = type(model).from_pretrained(checkpoint_dir, dtype=dtype, device_map="cpu")
     result = model.load_state_dict(fresh.state_dict(), strict=True)
     del fresh
-    logger.warning("rollplex: resumed the model weights from %s through from_pretrained (the file uses the model's "
-                   "legacy parameter names, which Trainer's own loading would skip)%s", checkpoint_dir,
-                   "" if not result.missing_keys else f"; missing: {result.missing_keys[:5]}")
+    missing = "" if not result.missing_keys else f"; missing: {result.missing_keys[:5]}"
+    notice(f"resumed the model weights from {checkpoint_dir} through from_pretrained (the file uses the model's "
+           f"legacy parameter names, which Trainer's own loading would skip){missing}")
 
 
 class ResumableRepeatSampler(RepeatSampler):

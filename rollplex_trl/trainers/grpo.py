@@ -24,7 +24,6 @@ run TRL's code unchanged.
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from rollplex_trl.callbacks import NoLearningSignal, StartupBanner, TimelineImag
 from rollplex_trl.config import rollplex_options
 from rollplex_trl.data.prepared import PREPARED_KEY, VIDEO_COLUMNS
 from rollplex_trl.data.prompt import PreparedPrompt, check_rows_match_ids, generation_fields
+from rollplex_trl.notices import notice
 from rollplex_trl.overlap import OverlapExecutor, OverlapSchedule, Span, Timeline
 from rollplex_trl.prefix.actor import ActorWindow
 from rollplex_trl.prefix.batch import StepPrefixes
@@ -59,8 +59,6 @@ from rollplex_trl.trainers.rollout import TrainerRollout
 from rollplex_trl.trainers.sharing import PrefixSharing
 from rollplex_trl.trainers.temporal import TemporalRecipe
 from rollplex_trl.trainers.verify import audit_pass, audit_sampler, build_audit
-
-logger = logging.getLogger(__name__)
 
 # Keyword arguments of TRL's `_get_per_token_logps_and_entropies` that carry vision inputs.
 _TRL_VISION_KWARGS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
@@ -100,7 +98,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         self.backend.suffix_attention_mode = self.plan.suffix_attention
         log_notices(self.plan, self.accelerator.is_main_process)
         if sleep_notice is not None and self.accelerator.is_main_process:
-            logger.warning(sleep_notice)
+            notice(sleep_notice)
         self.sharing = PrefixSharing.build(self)  # trainers/sharing.py: the suffix path, and auto's data decision
         self.batch = BatchContext()
         self.actor_window = ActorWindow(
@@ -175,7 +173,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
             broadcast_object_list(box, from_process=0)
             return box[0]
 
-        warn = logger.warning if self.accelerator.is_main_process else (lambda message: None)
+        warn = notice if self.accelerator.is_main_process else (lambda message: None)
         return OverlapSchedule(o["rollplex_overlap"], executor, record=record, broadcast=broadcast, warn=warn)
 
     def _wrap_datasets(self) -> bool:
@@ -410,7 +408,7 @@ class RollplexGRPOTrainer(GRPOTrainer):
         out = Path(self.args.output_dir)
         trace = self.timeline.write_chrome_trace(out / "rollplex_timeline.json")
         png = self.timeline.write_gantt(out / "rollplex_timeline.png")
-        logger.warning("rollplex: phase timeline written to %s%s", trace, f" and {png}" if png else "")
+        notice(f"phase timeline written to {trace}" + (f" and {png}" if png else ""))
 
     def _get_train_sampler(self, dataset=None):
         # a resumed run must see the data of later epochs in the uninterrupted run's order (trainers/checkpoint.py)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,9 +54,8 @@ from rollplex_trl.memory.registry import MemoryObject
 from rollplex_trl.memory.saved_tensors import SavedTensorOffload
 from rollplex_trl.memory.storage import HostArena, TensorGroup, release_free_memory
 from rollplex_trl.memory.streamed_optimizer import StreamedOptimizer, register_streamed_optimizer
+from rollplex_trl.notices import notice
 from rollplex_trl.torch_compat import storage_key, tensor_storage_key
-
-logger = logging.getLogger(__name__)
 
 # Optimizers whose state is per parameter and elementwise: chunked steps are bit-identical to one step (fused and
 # foreach variants included: each chunk runs the same kernel).
@@ -298,7 +296,7 @@ class PhaseMemory:
     @staticmethod
     def _log(trainer: Any, message: str) -> None:
         if trainer.accelerator.is_main_process:
-            logger.warning("rollplex: %s", message)
+            notice(message)
 
     @staticmethod
     def unsupported(trainer: Any) -> str | None:

@@ -15,19 +15,17 @@ back per call under "auto"); and the Megatron backend's engine switches, which n
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rollplex_trl.config import rollplex_options
 from rollplex_trl.data.prepared import check_first_media, check_prompt_format, has_video_column
+from rollplex_trl.notices import notice
 from rollplex_trl.prefix.suffix_attention import MODES as SUFFIX_MODES
 from rollplex_trl.trainers.media import media_options
 from rollplex_trl.trainers.memory import KeptResident
 from rollplex_trl.trainers.verify import AuditSpec, audit_spec
-
-logger = logging.getLogger(__name__)
 
 # Decoders whose prefix/suffix split is implemented and tested (full attention, RoPE or M-RoPE).
 PREFIX_MODEL_TYPES = ("qwen2", "qwen2_5_vl", "llama")
@@ -159,7 +157,7 @@ def plan_run(options: dict[str, Any], facts: RunFacts) -> RunPlan:
     shared_prefill = share and not facts.use_vllm and not facts.continuous_batching
     if shared_prefill and facts.num_beams > 1:
         shared_prefill = False
-        notices.append(f"rollplex: shared prefill off for generation (num_beams={facts.num_beams}): beam search "
+        notices.append(f"shared prefill off for generation (num_beams={facts.num_beams}): beam search "
                        "expands the batch inside generate; prefix work is computed when scored")
     temporal, len_control, reward_index = _temporal_plan(options, facts)
     memory, memory_reason, memory_kept = _memory_plan(options, facts, notices)
@@ -223,7 +221,7 @@ def _memory_plan(options: dict[str, Any], facts: RunFacts, notices: list[str]
     if facts.memory_unsupported is not None:
         if mode == "on":
             raise ValueError(f"rollplex_memory='on' cannot act here: {facts.memory_unsupported}. Use 'auto' or 'off'.")
-        notices.append(f"rollplex: rollplex_memory='auto': off, {facts.memory_unsupported}")
+        notices.append(f"rollplex_memory='auto': off, {facts.memory_unsupported}")
         return False, "", ()
     kept = facts.memory_kept
     if mode == "on":
@@ -232,11 +230,11 @@ def _memory_plan(options: dict[str, Any], facts: RunFacts, notices: list[str]
         return True, "rollplex_memory='on'", kept
     pays, why = facts.memory_pays
     stays = "".join(f"; the {k.what} stays resident ({k.reason})" for k in kept)
-    notices.append(f"rollplex: rollplex_memory='auto': {'on' if pays else 'off'}, {why}{stays}")
+    notices.append(f"rollplex_memory='auto': {'on' if pays else 'off'}, {why}{stays}")
     return pays, why, kept
 
 
-def log_notices(plan: RunPlan, is_main_process: bool, warn: Callable[[str], None] = logger.warning) -> None:
+def log_notices(plan: RunPlan, is_main_process: bool, warn: Callable[[str], None] = notice) -> None:
     if is_main_process:
         for notice in plan.notices:
             warn(notice)

@@ -12,17 +12,15 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from rollplex_trl.memory.model_dims import dims_from_config
+from rollplex_trl.notices import notice
 from rollplex_trl.prefix.cost import SharingDecision
 from rollplex_trl.trainers.plan import RunPlan
-
-logger = logging.getLogger(__name__)
 
 
 class PrefixSharing:
@@ -36,7 +34,7 @@ class PrefixSharing:
     @classmethod
     def build(cls, trainer: Any) -> PrefixSharing:
         plan, options, accelerator = trainer.plan, trainer.rollplex, trainer.accelerator
-        warn: Callable[[str], None] = logger.warning if accelerator.is_main_process else (lambda message: None)
+        warn: Callable[[str], None] = notice if accelerator.is_main_process else (lambda message: None)
         config = accelerator.unwrap_model(trainer.model).config
         attention = plan.suffix_attention
         visual = {i for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))

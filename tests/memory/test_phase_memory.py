@@ -280,10 +280,10 @@ def test_arena_optimizer_checkpoints_interchange_with_adamw(tmp_path):
         assert torch.equal(p, q)
 
 
-def test_auto_and_unsupported_decisions(tiny_vl_path, tmp_path, video_dataset, caplog):
+def test_auto_and_unsupported_decisions(tiny_vl_path, tmp_path, video_dataset, notices):
     trainer = _trainer(tiny_vl_path, video_dataset, tmp_path, "auto")
     assert trainer.phase_memory is None  # a tiny model takes nothing like half the RAM
-    assert any("rollplex_memory='auto': off" in r.getMessage() for r in caplog.records)
+    assert any("rollplex_memory='auto': off" in m for m in notices), notices
     pays, why = PhaseMemory.pays(trainer)
     assert not pays and "GiB" in why
     assert PhaseMemory.unsupported(trainer) is None
@@ -389,16 +389,15 @@ def _force_auto(monkeypatch):
     monkeypatch.setattr(memory_module, "AUTO_PRESSURE", 0.0)  # a tiny model is always "under pressure"
 
 
-def test_auto_counts_and_moves_only_what_can_move(tiny_qwen2_path, tmp_path, caplog, monkeypatch):
+def test_auto_counts_and_moves_only_what_can_move(tiny_qwen2_path, tmp_path, notices, monkeypatch):
     _force_auto(monkeypatch)
     # nothing can move (no reference at beta 0, Adafactor's state does not stream): auto stays off
     trainer = _text_trainer(tiny_qwen2_path, tmp_path, "auto", optim="adafactor")
     assert PhaseMemory.moved_bytes(trainer) == {"reference_weights": 0, "optimizer_state": 0}
     assert trainer.phase_memory is None
-    assert any("rollplex_memory='auto': off" in r.getMessage() and "optimizer state stays resident" in r.getMessage()
-               for r in caplog.records)
+    assert any("rollplex_memory='auto': off" in m and "optimizer state stays resident" in m for m in notices)
     # a synced reference stays resident, the optimizer state streams
-    caplog.clear()
+    notices.clear()
     trainer = _text_trainer(tiny_qwen2_path, tmp_path, "auto", beta=0.1, sync_ref_model=True)
     moved, sizes = PhaseMemory.moved_bytes(trainer), PhaseMemory.movable_bytes(trainer)
     assert sizes["reference_weights"] > 0 and moved["reference_weights"] == 0
@@ -406,5 +405,5 @@ def test_auto_counts_and_moves_only_what_can_move(tiny_qwen2_path, tmp_path, cap
     memory = trainer.phase_memory
     assert memory is not None and memory.ref_object is None
     assert all(p.untyped_storage().nbytes() > 0 for p in trainer.ref_model.parameters())
-    notes = [r.getMessage() for r in caplog.records if "rollplex_memory='auto'" in r.getMessage()]
+    notes = [m for m in notices if "rollplex_memory='auto'" in m]
     assert len(notes) == 1 and "reference model stays resident (sync_ref_model=True" in notes[0]

@@ -6,7 +6,6 @@ expanded-cache shared prefill (same random draws), and the sampled tokens' log-p
 1e-5 (fp32).
 """
 
-import logging
 import threading
 
 import numpy as np
@@ -175,7 +174,7 @@ def test_cache_holds_prompt_once(tiny_qwen2_path):
     assert expanded.layers[0].keys.size(0) == 8
 
 
-def test_fallback_logged_and_on_refuses(tiny_qwen2_path, caplog, cascade_calls, monkeypatch):
+def test_fallback_logged_and_on_refuses(tiny_qwen2_path, notices, cascade_calls, monkeypatch):
     tok = AutoTokenizer.from_pretrained(tiny_qwen2_path)
     model = Qwen2ForCausalLM.from_pretrained(tiny_qwen2_path).eval()
     enc = dict(tok(["count to three", "count to four please"] * 2, return_tensors="pt", padding=True,
@@ -183,10 +182,10 @@ def test_fallback_logged_and_on_refuses(tiny_qwen2_path, caplog, cascade_calls, 
     monkeypatch.setattr(shared_decode, "SUPPORTED_ATTENTION", ("eager",))  # pretend sdpa were unsupported
     reason = "attention implementation 'sdpa' (supported: eager)"
     shared_decode._LOGGED.discard(reason)
-    with caplog.at_level(logging.WARNING, logger=shared_decode.__name__):
-        auto = _generate(model, enc, None, "auto", _config(False, 4), num_generations=8)
+    auto = _generate(model, enc, None, "auto", _config(False, 4), num_generations=8)
     assert torch.equal(auto, _generate(model, enc, None, None, _config(False, 4)))
-    assert reason in caplog.text and not cascade_calls
+    assert notices == [f"shared-prefix decoding off, the expanded-cache path is used: {reason}"]
+    assert not cascade_calls
     with pytest.raises(ValueError, match="rollplex_shared_decode='on'.*attention implementation"):
         _generate(model, enc, None, "on", _config(False, 4))
     assert "generate" not in vars(model)

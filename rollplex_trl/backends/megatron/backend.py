@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils.data import Sampler
 
 from rollplex_trl.data.prompt import PreparedPrompt, token_type_ids, vision_inputs
+from rollplex_trl.notices import notice
 from rollplex_trl.prefix.generation import BackendPrefill
 from rollplex_trl.rollout.sources import bind_weights
 
@@ -156,10 +157,10 @@ class MegatronBackend:
         self.rollout_pool, pool_note = self._pool_rollout(pooled_rollout, rollout_model.device, use_vllm, overlap)
         self.vision_split, vision_note = self._split_vision(split_vision)
         if is_main_process:
-            logger.warning("rollplex: Megatron backend, t=%d, data-parallel %d; %s%s; TP all-reduce: %s; rollout: %s; "
-                           "activation recompute: %s; vision tower: %s", self.groups.tp_size, self.groups.dp_size,
-                           self.rollout.table(), f" (not mapped across processes: {not_mapped})" if not_mapped else "",
-                           all_reduce_note, pool_note, recompute_note, vision_note)
+            unmapped = f" (not mapped across processes: {not_mapped})" if not_mapped else ""
+            notice(f"Megatron backend, t={self.groups.tp_size}, data-parallel {self.groups.dp_size}; "
+                   f"{self.rollout.table()}{unmapped}; TP all-reduce: {all_reduce_note}; rollout: {pool_note}; "
+                   f"activation recompute: {recompute_note}; vision tower: {vision_note}")
             if not_mapped is None:  # the plan it executes, by parameter kind (logged once)
                 logger.info("rollplex: the rollout weight-mapping plan\n%s", self.rollout.plan.format())
         self._reduced = False  # whether this optimizer step's gradients were averaged over DP already
