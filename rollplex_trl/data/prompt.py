@@ -67,6 +67,13 @@ class PreparedPrompt:
         where = f" ({', '.join(self.sources)})" if self.sources else ""
         return f"sample {self.sample_id}{where}"
 
+    def __repr__(self) -> str:
+        # Short on purpose: the object travels in the batch's `rollplex_prompt` column, and TRL prints a row's columns
+        # (e.g. when every reward function returned None); the default repr would print every token id and a tensor.
+        grids = [t.tolist() for t in (self.video_grid_thw, self.image_grid_thw) if t is not None]
+        return (f"PreparedPrompt({self.describe()}, {self.num_prompt_tokens} tokens, {self.num_visual_tokens} visual"
+                f"{', grid ' + str(grids) if grids else ''})")
+
 
 def attach_media(messages: list[dict[str, Any]], num_images: int, num_videos: int, sample_id: str) -> list[dict]:
     """Return structured messages with exactly one placeholder part per image and per video.
