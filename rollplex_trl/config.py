@@ -147,6 +147,17 @@ class RollplexGRPOConfig(GRPOConfig):
         default=False,
         metadata={"help": "Write the phase timeline of the run (Chrome-trace JSON and a Gantt PNG) to output_dir."},
     )
+    rollplex_console: Literal["compact", "trl"] = _option(
+        rule=_Rule("choice", "'compact' or 'trl'", choices=("compact", "trl")),
+        default="compact",
+        metadata={
+            "help": "What the console shows per logged step. 'compact': one line (step, reward per function, loss, "
+            "KL, seconds, the audit's verdict on audited steps) in place of transformers' progress bar and "
+            "dictionary printer; 'trl': TRL's own console. The full logs go to the log history and the trackers "
+            "either way.",
+            "choices": ["compact", "trl"],
+        },
+    )
     rollplex_memory: Literal["auto", "on", "off"] = _option(
         rule=_Rule("mode", "'auto', 'on' or 'off'", choices=_MODES),
         default="off",

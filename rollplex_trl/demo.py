@@ -206,7 +206,6 @@ def _grpo(start_model: Path, train: Any, evaluate: _Evaluator, args: argparse.Na
     from transformers import TrainerCallback
 
     from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
-    from rollplex_trl.callbacks.console import use_compact_console
     from rollplex_trl.callbacks.jsonl import JsonlLoggerCallback
     from rollplex_trl.data import accuracy_reward, format_reward
 
@@ -235,7 +234,6 @@ def _grpo(start_model: Path, train: Any, evaluate: _Evaluator, args: argparse.Na
     trainer = RollplexGRPOTrainer(model=str(start_model), reward_funcs=[accuracy_reward, format_reward],
                                   args=config, train_dataset=train,
                                   callbacks=[JsonlLoggerCallback(out / "logs.jsonl"), HeldoutEvery()])
-    use_compact_console(trainer)  # one line per step; the full logs go to logs.jsonl
     print(f"[rollplex-trl] GRPO: {args.steps} steps of RollplexGRPOTrainer, {args.prompts_per_step} prompts x "
           f"{args.num_generations} completions per step{', T-GRPO on' if args.temporal else ''}")
     trainer.train()

@@ -103,7 +103,8 @@ def test_megatron_recipe_on_two_processes(tiny_vl_path, tmp_path):
         [sys.executable, "-m", "rollplex_trl.cli", "grpo", "--config", str(RECIPES / "video_r1_megatron_tp2.yaml"),
          "--accelerate_config", str(LAUNCH_CONFIGS / "multi_cpu.yaml"), "--main_process_port", _free_port(),
          "--model_name_or_path", str(tiny_vl_path), "--video_r1_annotations", str(annotations),
-         "--output_dir", str(out), "--max_steps", "2", "--rollplex_video_max_frames", "4", "--use_cpu", "true"],
+         "--output_dir", str(out), "--max_steps", "2", "--rollplex_video_max_frames", "4", "--use_cpu", "true",
+         "--rollplex_console", "trl"],  # TRL's dictionaries on the console (the default prints a compact line)
         cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert "rollplex/sync_bytes_copied" in proc.stdout and (out / "model.safetensors").exists()

@@ -102,3 +102,31 @@ def test_compact_line_reads_the_logs():
                     "loss 0.0123 · kl 0.002 · 2.50 s · audit ok (max |Δ log-prob| 3.0e-07)")
     assert "audit EXCEEDED" in format_step({**logs, "rollplex/verify_within_tolerance": 0.75}, 3, 8)
     assert format_step({"loss": 1.0}, 1, 2) == "[rollplex-trl] step 1/2 · loss 1"
+
+
+def test_rollplex_console_switch(tiny_qwen2_path, tmp_path):
+    """`rollplex_console`: "compact" (default) swaps transformers' progress bar and printer for one line per step,
+    once; "trl" keeps TRL's console; anything else is refused naming the field."""
+    import pytest
+    from datasets import Dataset
+    from transformers import PrinterCallback, ProgressCallback
+
+    from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
+    from rollplex_trl.callbacks.console import CompactConsole, use_compact_console
+
+    dataset = Dataset.from_dict({"prompt": ["a", "b"]})
+
+    def kinds(console: str, **extra) -> list[type]:
+        args = RollplexGRPOConfig(output_dir=str(tmp_path / console), report_to=[], use_cpu=True, max_steps=1,
+                                  per_device_train_batch_size=2, num_generations=2, rollplex_console=console, **extra)
+        trainer = RollplexGRPOTrainer(model=str(tiny_qwen2_path), reward_funcs=lambda completions, **k: [0.0] * 2,
+                                      args=args, train_dataset=dataset)
+        use_compact_console(trainer) if console == "compact" else None  # a second call adds nothing
+        return [type(c) for c in trainer.callback_handler.callbacks]
+
+    compact = kinds("compact")
+    assert compact.count(CompactConsole) == 1 and ProgressCallback not in compact and PrinterCallback not in compact
+    assert ProgressCallback in kinds("trl") and CompactConsole not in kinds("trl")
+    assert PrinterCallback in kinds("trl", disable_tqdm=True)
+    with pytest.raises(ValueError, match="rollplex_console"):
+        RollplexGRPOConfig(output_dir=str(tmp_path / "x"), rollplex_console="verbose")

@@ -54,7 +54,10 @@ class CompactConsole(TrainerCallback):
 
 
 def use_compact_console(trainer: Any) -> None:
-    """Replace transformers' progress bar and dictionary printer with `CompactConsole`."""
+    """Replace transformers' progress bar and dictionary printer with `CompactConsole` (once: a second call on the
+    same trainer changes nothing). `RollplexGRPOTrainer` does this itself under `rollplex_console="compact"`; the
+    function serves other trainers (the main job's `SFTTrainer`)."""
     for callback in (ProgressCallback, PrinterCallback):
         trainer.remove_callback(callback)
-    trainer.add_callback(CompactConsole())
+    if not any(isinstance(c, CompactConsole) for c in trainer.callback_handler.callbacks):
+        trainer.add_callback(CompactConsole())

@@ -35,6 +35,7 @@ from rollplex_trl import trl_compat
 from rollplex_trl.backends import HfBackend, build_backend, refuse_backend_setup
 from rollplex_trl.backends.base import TrainingBackend
 from rollplex_trl.callbacks import NoLearningSignal, StartupBanner, TimelineImageCallback
+from rollplex_trl.callbacks.console import use_compact_console
 from rollplex_trl.config import rollplex_options
 from rollplex_trl.data.prepared import PREPARED_KEY, VIDEO_COLUMNS
 from rollplex_trl.data.prompt import PreparedPrompt, check_rows_match_ids, generation_fields
@@ -127,6 +128,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
         self.audit = build_audit(self)  # rollplex_verify_every (trainers/verify.py); None when off
         for callback in (StartupBanner(self), NoLearningSignal()):  # the banner; a warning when nothing is learned
             self.add_callback(callback)
+        if self.rollplex["rollplex_console"] == "compact":
+            use_compact_console(self)  # one line per step; the dictionaries stay in the log history and trackers
         if self.rollplex["rollplex_timeline"] and not any(isinstance(c, TimelineImageCallback)
                                                           for c in self.callback_handler.callbacks):
             self.add_callback(TimelineImageCallback(self))  # the timeline as an image in image-taking trackers
