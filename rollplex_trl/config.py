@@ -330,10 +330,12 @@ class RollplexGRPOConfig(GRPOConfig):
     rollplex_check_rows: int = _option(
         rule=_Rule("int", "an integer >= 0", lambda v: v >= 0),
         default=4,
-        metadata={"help": "Before the models load, decode the video and image files of the first this many rows of "
-                  "each dataset with the training's sampling, so a missing or corrupt file is reported at start-up "
-                  "(naming the sample and the file) instead of at the first step. 0: off. Skipped with "
-                  "rollplex_skip_invalid_samples. `rollplex-trl check-data` checks a whole file."},
+        metadata={"help": "Before the models load, open the video and image files of the first this many rows of "
+                  "each dataset and run those rows through the training's preparation (frames sampled, chat "
+                  "template, processor, rollplex_max_prompt_length), so a missing or corrupt file or a prompt over "
+                  "budget is reported at start-up (naming the sample and the file) instead of at the first step. "
+                  "0: off. Skipped with rollplex_skip_invalid_samples. `rollplex-trl check-data` checks a whole "
+                  "file."},
     )
     rollplex_media_cache_size: int = _option(
         rule=_Rule("int", "an integer >= 0", lambda v: v >= 0),

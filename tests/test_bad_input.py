@@ -126,13 +126,30 @@ def test_truncated_video_is_skipped_and_the_skipped_fraction_is_limited(tiny_vl_
     assert trainer.train_dataset.skipped_fraction == 0.5
 
 
-def test_over_budget_prompt_is_an_error_not_a_truncation(tiny_vl_path, tmp_path):
+def test_over_budget_prompt_is_an_error_not_a_truncation(tiny_vl_path, tmp_path, monkeypatch):
     clip = write_mp4(tmp_path / "a.mp4", 8, 56, 56)
-    trainer = _trainer(tiny_vl_path, [_row(801, clip)], _config(tmp_path, rollplex_max_prompt_length=20))
-    with pytest.raises(RollplexDataError) as info:
-        trainer.train_dataset[0]
+    rows = [_row(800, clip), _row(801, clip)]
+    rows[1]["prompt"][0]["content"][1]["text"] = "How many? " * 10  # only the second prompt is over budget
+    # at start-up, before the model loads (rollplex_check_rows): the processor runs on the first rows
+    from transformers import PreTrainedModel
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the check")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(PreTrainedModel, "from_pretrained", classmethod(no_model))
+        with pytest.raises(RollplexDataError) as info:
+            _trainer(tiny_vl_path, rows, _config(tmp_path, rollplex_max_prompt_length=60))
     message = str(info.value)
-    assert "801" in message and "rollplex_max_prompt_length=20" in message and "visual" in message
+    assert "problem_id=801 (row 1)" in message and "rollplex_max_prompt_length=60" in message
+    assert "visual" in message and "found at start-up" in message and "rollplex_check_rows" in message
+    # without the check (or past the first rows): the same error when training reads the row
+    trainer = _trainer(tiny_vl_path, rows, _config(tmp_path, rollplex_max_prompt_length=60, rollplex_check_rows=1))
+    trainer.train_dataset[0]
+    with pytest.raises(RollplexDataError) as info:
+        trainer.train_dataset[1]
+    message = str(info.value)
+    assert "801" in message and "rollplex_max_prompt_length=60" in message and "visual" in message
 
 
 def test_empty_dataset_is_a_clear_error(tiny_vl_path, tmp_path):

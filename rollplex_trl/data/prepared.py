@@ -23,7 +23,7 @@ import os
 import random
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -137,6 +137,28 @@ def check_first_media(dataset: Any, name: str, sampling: VideoSamplingConfig, ro
         for value in _as_list(row, IMAGE_COLUMNS):
             if isinstance(value, (str, os.PathLike)):
                 load_image(str(value), sample_id=label)
+
+
+def first_media_rows(dataset: Any, rows: int) -> list[tuple[int, dict]]:
+    """(index, row) of the rows with a video or image among the first `rows` rows of a map-style dataset."""
+    first = _first_rows(dataset, rows, streams=False) if rows > 0 else None
+    return [(index, row) for index, row in enumerate(first or [])
+            if any(row.get(column) is not None for column in (*VIDEO_COLUMNS, *IMAGE_COLUMNS))]
+
+
+def check_first_prompts(media_rows: list[tuple[int, dict]], name: str, processor: Any, options: MediaOptions,
+                        rows: int) -> None:
+    """Before any model loads: run a dataset's first media rows (:func:`first_media_rows`) through the training's
+    own preparation (frames decoded, chat template, processor, the `rollplex_max_prompt_length` budget), so a prompt
+    over budget, a frame the processor rejects or a media placeholder that does not match the files is reported at
+    start-up, naming the sample, instead of at the first step."""
+    preparer = MediaPreparer(processor, replace(options, cache_size=0))
+    for index, row in media_rows:
+        try:
+            preparer.prepare_row(dict(row), sample_id=_sample_id(row, index))
+        except RollplexDataError as error:
+            raise RollplexDataError(f"{error} (found at start-up, in the {name} dataset's first {rows} rows: "
+                                    "rollplex_check_rows)") from error
 
 
 def _sample_id(row: dict, index: int) -> SampleLabel:

@@ -20,7 +20,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rollplex_trl.config import rollplex_options
-from rollplex_trl.data.prepared import check_first_media, check_prompt_format, has_video_column
+from rollplex_trl.data.prepared import (
+    check_first_media,
+    check_first_prompts,
+    check_prompt_format,
+    first_media_rows,
+    has_video_column,
+)
 from rollplex_trl.notices import notice
 from rollplex_trl.prefix.suffix_attention import MODES as SUFFIX_MODES
 from rollplex_trl.trainers.media import media_options
@@ -240,8 +246,27 @@ def log_notices(plan: RunPlan, is_main_process: bool, warn: Callable[[str], None
             warn(notice)
 
 
+def _processor_for_checks(arguments: dict[str, Any]) -> Any:
+    """The processor TRL will use (the one passed, else the model's, as GRPOTrainer loads it), or None if it cannot
+    be loaded here: then the check waits for the first step, and TRL's own loading reports the path."""
+    if arguments.get("processing_class") is not None:
+        return arguments["processing_class"]
+    model = arguments.get("model")
+    path = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not path:
+        return None
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
 def refuse_before_setup(arguments: dict[str, Any]) -> None:
-    """Refuse combinations we cannot run before GRPOTrainer's setup connects to a vLLM server or loads weights.
+    """Refuse combinations we cannot run, and data we cannot train on, before GRPOTrainer's setup connects to a vLLM
+    server or loads weights: prompt formats, the first `rollplex_check_rows` rows' media files, and the same rows
+    through the processor and the prompt budget.
 
     `arguments` are GRPOTrainer.__init__'s, by name.
     """
@@ -255,9 +280,15 @@ def refuse_before_setup(arguments: dict[str, Any]) -> None:
         return
     options = rollplex_options(config)
     if not options["rollplex_skip_invalid_samples"]:
-        sampling = media_options(options, None, None).sampling
+        media = media_options(options, None, getattr(config, "chat_template_kwargs", None))
         for name, dataset in datasets.items():
-            check_first_media(dataset, name, sampling, options["rollplex_check_rows"])
+            check_first_media(dataset, name, media.sampling, options["rollplex_check_rows"])
+        rows = options["rollplex_check_rows"]
+        with_media = {name: first_media_rows(d, rows) for name, d in datasets.items()}
+        with_media = {name: found for name, found in with_media.items() if found}
+        processor = _processor_for_checks(arguments) if with_media else None
+        for name, found in with_media.items() if processor is not None else ():
+            check_first_prompts(found, name, processor, media, rows)
     returned = (getattr(config, "generation_kwargs", None) or {}).get("num_return_sequences", 1) or 1
     if returned > 1:
         # GRPO draws num_generations completions per prompt itself; generate returning several per row would
