@@ -139,16 +139,17 @@ def check_first_media(dataset: Any, name: str, sampling: VideoSamplingConfig, ro
                 load_image(str(value), sample_id=label)
 
 
-def first_media_rows(dataset: Any, rows: int) -> list[tuple[int, dict]]:
-    """(index, row) of the rows with a video or image among the first `rows` rows of a map-style dataset."""
+def first_video_rows(dataset: Any, rows: int) -> list[tuple[int, dict]]:
+    """(index, row) of the rows with a video among the first `rows` rows of a map-style dataset. (Image rows may
+    take TRL's own path, which this package's preparation does not stand for: they are left to it.)"""
     first = _first_rows(dataset, rows, streams=False) if rows > 0 else None
     return [(index, row) for index, row in enumerate(first or [])
-            if any(row.get(column) is not None for column in (*VIDEO_COLUMNS, *IMAGE_COLUMNS))]
+            if any(row.get(column) is not None for column in VIDEO_COLUMNS)]
 
 
 def check_first_prompts(media_rows: list[tuple[int, dict]], name: str, processor: Any, options: MediaOptions,
                         rows: int) -> None:
-    """Before any model loads: run a dataset's first media rows (:func:`first_media_rows`) through the training's
+    """Before any model loads: run a dataset's first video rows (:func:`first_video_rows`) through the training's
     own preparation (frames decoded, chat template, processor, the `rollplex_max_prompt_length` budget), so a prompt
     over budget, a frame the processor rejects or a media placeholder that does not match the files is reported at
     start-up, naming the sample, instead of at the first step."""

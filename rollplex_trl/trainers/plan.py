@@ -24,7 +24,7 @@ from rollplex_trl.data.prepared import (
     check_first_media,
     check_first_prompts,
     check_prompt_format,
-    first_media_rows,
+    first_video_rows,
     has_video_column,
 )
 from rollplex_trl.notices import notice
@@ -249,18 +249,18 @@ def log_notices(plan: RunPlan, is_main_process: bool, warn: Callable[[str], None
 def _processor_for_checks(arguments: dict[str, Any]) -> Any:
     """The processor TRL will use (the one passed, else the model's, as GRPOTrainer loads it), or None if it cannot
     be loaded here: then the check waits for the first step, and TRL's own loading reports the path."""
-    if arguments.get("processing_class") is not None:
-        return arguments["processing_class"]
+    processor = arguments.get("processing_class")
     model = arguments.get("model")
     path = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
-    if not path:
-        return None
-    from transformers import AutoProcessor
+    if processor is None and path:
+        from transformers import AutoProcessor
 
-    try:
-        return AutoProcessor.from_pretrained(path)
-    except (OSError, ValueError):
-        return None
+        try:
+            processor = AutoProcessor.from_pretrained(path)
+        except (OSError, ValueError):
+            return None
+    # a tokenizer (a text model given video rows) is refused by the trainer's own check, with its own message
+    return processor if getattr(processor, "tokenizer", None) is not None else None
 
 
 def refuse_before_setup(arguments: dict[str, Any]) -> None:
@@ -284,10 +284,10 @@ def refuse_before_setup(arguments: dict[str, Any]) -> None:
         for name, dataset in datasets.items():
             check_first_media(dataset, name, media.sampling, options["rollplex_check_rows"])
         rows = options["rollplex_check_rows"]
-        with_media = {name: first_media_rows(d, rows) for name, d in datasets.items()}
-        with_media = {name: found for name, found in with_media.items() if found}
-        processor = _processor_for_checks(arguments) if with_media else None
-        for name, found in with_media.items() if processor is not None else ():
+        with_video = {name: first_video_rows(d, rows) for name, d in datasets.items()}
+        with_video = {name: found for name, found in with_video.items() if found}
+        processor = _processor_for_checks(arguments) if with_video else None
+        for name, found in with_video.items() if processor is not None else ():
             check_first_prompts(found, name, processor, media, rows)
     returned = (getattr(config, "generation_kwargs", None) or {}).get("num_return_sequences", 1) or 1
     if returned > 1:
