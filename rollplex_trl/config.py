@@ -438,6 +438,12 @@ class RollplexGRPOConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         _validate(self)  # first: a bad rollplex_* value is reported as such, whatever else is wrong
+        # TRL's GRPOConfig defaults the deprecated `gradient_checkpointing` to True, so transformers (>= 5.x, which
+        # renamed it `activation_checkpointing`) warned "deprecated" on every config nobody wrote it in. Carrying
+        # TRL's default over to the new name first is transformers' own resolution (the new name takes the old
+        # value), without the warning; a user's explicit False still goes through (and warns) as before.
+        if getattr(self, "activation_checkpointing", False) is None and self.gradient_checkpointing is True:
+            self.activation_checkpointing = True
         super().__post_init__()
 
 
