@@ -16,6 +16,7 @@ each launched process runs); :func:`run` does the same from Python.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import subprocess
@@ -285,6 +286,7 @@ def launch(argv: Sequence[str]) -> int:
     """
     from accelerate.commands.launch import launch_command, launch_command_parser
 
+    from rollplex_trl import trl_compat
     from rollplex_trl.trl_compat import resolve_accelerate_config_argument
 
     all_args = list(argv)
@@ -306,8 +308,12 @@ def launch(argv: Sequence[str]) -> int:
     if flags:
         print(unknown_option_message(flags), file=sys.stderr)
         return 2
+    chosen = {a.split("=", 1)[0] for a in launch_args}
+    quiet = (contextlib.nullcontext() if chosen & set(trl_compat.ACCELERATE_DEFAULTED_FLAGS)
+             else trl_compat.quiet_accelerate_launch_defaults())
     try:
-        launch_command(launch_command_parser().parse_args([*launch_args, "-m", SCRIPT_MODULE, *script_args]))
+        with quiet:
+            launch_command(launch_command_parser().parse_args([*launch_args, "-m", SCRIPT_MODULE, *script_args]))
     except subprocess.CalledProcessError as error:  # the single-process launcher: the script failed (its traceback
         return error.returncode or 1  # is already printed)
     return 0

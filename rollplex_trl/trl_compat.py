@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -306,6 +307,25 @@ def resolve_accelerate_config_argument(launcher_args: list[str]) -> list[str]:
     from trl.cli.accelerate_config import resolve_accelerate_config_argument as resolve
 
     return resolve(launcher_args)
+
+
+# `accelerate launch`'s flags whose absence (without an accelerate config file) makes it warn that it used defaults.
+ACCELERATE_DEFAULTED_FLAGS = ("--config_file", "--num_processes", "--num_machines", "--mixed_precision",
+                              "--dynamo_backend")
+
+
+@contextlib.contextmanager
+def quiet_accelerate_launch_defaults() -> Iterator[None]:
+    """Silence `accelerate launch`'s "The following values were not passed ... `--num_processes` was set to a value
+    of `0`" for the call: for `rollplex-trl grpo` without launcher flags that is the expected single-process run,
+    and the start-up banner states the world size. Only its module's logger, only at WARNING, only meanwhile."""
+    logger = logging.getLogger("accelerate.commands.launch")
+    previous = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
 
 
 def trainer_init_arguments(*args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -162,6 +162,26 @@ def test_a_mistyped_option_is_named_with_a_suggestion(tmp_path):
     assert "usage:" not in proc.stderr  # not accelerate's 115 lines of usage
 
 
+@pytest.mark.parametrize("launcher_flags", [[], ["--num_processes", "1"]])
+def test_accelerates_defaults_warning_only_when_the_user_chose_launcher_flags(tmp_path, monkeypatch, caplog,
+                                                                              launcher_flags):
+    """Without launcher flags (and no accelerate config) `rollplex-trl grpo` is a single-process run: accelerate's
+    "`--num_processes` was set to a value of `0`" is noise then; once the user passes one of its flags, accelerate
+    speaks as usual. accelerate's own argument validation runs; the launch itself is stubbed."""
+    import logging
+
+    import accelerate.commands.launch as accelerate_launch
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no default accelerate config file
+    monkeypatch.setattr(accelerate_launch, "launch_command",
+                        lambda args: accelerate_launch._validate_launch_command(args))
+    with caplog.at_level(logging.WARNING, logger="accelerate.commands.launch"):
+        assert grpo_script.launch(["--output_dir", str(tmp_path), "--use_cpu", "true", *launcher_flags]) == 0
+    warned = "were not passed to `accelerate launch`" in caplog.text
+    assert warned == bool(launcher_flags), caplog.text
+    assert logging.getLogger("accelerate.commands.launch").level == logging.NOTSET  # restored
+
+
 def test_dataset_mixture_from_the_recipe(toy_text, tmp_path):
     """TRL's `datasets:` list in the YAML (DatasetMixtureConfig) is read as `trl grpo` reads it."""
     recipe = tmp_path / "mixture.yaml"

@@ -32,6 +32,7 @@ def test_demo_runs_every_stage(tmp_path, monkeypatch, capsys):
     step_lines = [line for line in printed if line.startswith("[rollplex-trl] step ") and "reward" in line]
     assert [line.split(" · ")[0] for line in step_lines] == ["[rollplex-trl] step 1/2", "[rollplex-trl] step 2/2"]
     assert f"reward {steps[0]['reward']:.3f}" in step_lines[0] and "audit ok" in step_lines[0]
+    assert sum(line.startswith("[rollplex-trl] trained 2 steps in ") for line in printed) == 2  # SFT, GRPO
     assert not any(line.lstrip().startswith("{'loss'") for line in printed)
     for r in steps:
         assert "reward" in r and "rewards/accuracy_reward/mean" in r and "rewards/format_reward/mean" in r

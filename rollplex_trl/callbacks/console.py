@@ -45,8 +45,13 @@ class CompactConsole(TrainerCallback):
         self._last = time.perf_counter()
 
     def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs):
-        if not logs or not state.is_world_process_zero or "loss" not in logs or "train_runtime" in logs:
-            return  # training steps only (evaluation and the final summary stay in the log history)
+        if not logs or not state.is_world_process_zero:
+            return
+        if "train_runtime" in logs:  # the end of training: one line, also when no step was logged (logging_steps)
+            print(f"[rollplex-trl] trained {state.global_step} steps in {logs['train_runtime']:.1f} s", flush=True)
+            return
+        if "loss" not in logs:
+            return  # training steps only (evaluation stays in the log history)
         now = time.perf_counter()
         seconds = now - self._last if self._last is not None else None
         self._last = now
