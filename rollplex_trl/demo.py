@@ -19,6 +19,7 @@ of :func:`add_demo_arguments`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -181,6 +182,7 @@ def _cold_start(model_path: Path, train: Any, sampling: Any, args: argparse.Name
 
     from rollplex_trl.callbacks.console import use_compact_console
     from rollplex_trl.data.sft import VideoSFTCollator
+    from rollplex_trl.trainers.media import SAMPLING_CONFIG_KEY
 
     model, processor = _load(model_path)
     config = SFTConfig(
@@ -195,6 +197,9 @@ def _cold_start(model_path: Path, train: Any, sampling: Any, args: argparse.Name
     print(f"[rollplex-trl] SFT cold start: {args.sft_steps} steps of TRL's SFTTrainer")
     t0 = time.perf_counter()
     trainer.train()
+    # the frame sampling goes into the model's config as the GRPO trainer records it, so `rollplex-trl ask` on the
+    # SFT model samples the frames it was trained on
+    setattr(model.config, SAMPLING_CONFIG_KEY, dataclasses.asdict(sampling))
     trainer.save_model(str(out / "model"))
     processor.save_pretrained(str(out / "model"))
     print(f"[rollplex-trl] SFT done in {time.perf_counter() - t0:.1f} s; model: {out / 'model'}")

@@ -58,7 +58,10 @@ def test_demo_runs_every_stage(tmp_path, monkeypatch, capsys):
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint)
     assert sum(p.numel() for p in model.model.visual.parameters()) > 0
     AutoProcessor.from_pretrained(checkpoint)
-    assert (out / "sft" / "model" / "config.json").is_file()
+    # the SFT model records the frame sampling it was trained with, as the GRPO checkpoints do (`rollplex-trl ask`)
+    from rollplex_trl.inference import sampling_from_checkpoint
+
+    assert sampling_from_checkpoint(out / "sft" / "model") == sampling_from_checkpoint(checkpoint) is not None
 
 
 def test_cli_demo_and_demo_module_share_options():
