@@ -55,6 +55,30 @@ def test_audit_within_tolerance_on_video(tiny_vl_path, tmp_path, video_dataset, 
     assert "EXCEEDED" not in caplog.text and "rollplex audit step 0" in caplog.text
 
 
+def test_each_audited_pass_computes_its_plain_reference_once(tiny_vl_path, tmp_path, video_dataset, monkeypatch):
+    """The actor's plain pass serves both the log-prob check (its values) and the gradient check (its graph): one
+    plain forward per audited pass, not one for each check."""
+    import rollplex_trl.trainers.verify as verify
+
+    calls: list[int] = []  # per plain_pass closure: how many times it ran
+    make = verify.plain_pass
+
+    def counting(*args, **kwargs):
+        plain, index = make(*args, **kwargs), len(calls)
+        calls.append(0)
+
+        def counted(rows):
+            calls[index] += 1
+            return plain(rows)
+
+        return counted
+
+    monkeypatch.setattr(verify, "plain_pass", counting)
+    _, logs = _train(tiny_vl_path, video_dataset, tmp_path, "once", max_steps=1)
+    assert "rollplex/verify_actor_grad_cos" in logs[0]  # the gradient was audited too
+    assert len(calls) >= 3 and calls == [1] * len(calls), calls  # ref, policy, actor (and the sampler's): once each
+
+
 def test_audit_on_text_prompts(tiny_qwen2_path, tmp_path):
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"count to {i}"}] for i in range(8)]})
     _, logs = _train(tiny_qwen2_path, dataset, tmp_path, "text")

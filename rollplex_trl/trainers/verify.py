@@ -229,13 +229,18 @@ def audit_pass(trainer: Any, model: Any, logps: torch.Tensor, input_ids: torch.T
         return
     plain_model = trainer._trained_model(model) if actor else trainer.accelerator.unwrap_model(model)
     plain = plain_pass(trainer, plain_model, trainer.batch.scored_rows, input_ids, attention_mask, logits_to_keep)
-
+    # (activation offload hooks the actor's graphs: its gradient is not audited)
+    gradient = actor and trainer.phase_memory is None
+    if gradient:  # one plain pass serves both checks: its values for the log-probs, its graph for the gradient
+        with torch.enable_grad():
+            reference = plain(min(audit.spec.rows, input_ids.size(0)))
+        plain = lambda rows: reference[:rows].detach()  # noqa: E731
     audit.check(step=step, kind=kind, used=logps, mask=attention_mask[:, -logits_to_keep:], plain=plain,
                 mechanisms=mechanisms, record=trainer._record,
                 variants=variants(trainer, plain_model, input_ids, attention_mask, logits_to_keep,
                                   reference=model is trainer.ref_model))
-    if actor and trainer.phase_memory is None:  # (activation offload hooks the actor's graphs: not audited)
-        audit_gradient(trainer, audit, plain_model, plain, input_ids, attention_mask, logits_to_keep, step,
+    if gradient:
+        audit_gradient(trainer, audit, plain_model, reference, input_ids, attention_mask, logits_to_keep, step,
                        mechanisms)
 
 
@@ -316,12 +321,12 @@ def variants(trainer: Any, model: Any, input_ids: torch.Tensor, attention_mask: 
     return out
 
 
-def audit_gradient(trainer: Any, audit: ExactnessAudit, model: Any, plain: Callable[[int], torch.Tensor],
-                   input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, step: int,
-                   mechanisms: list[str]) -> None:
+def audit_gradient(trainer: Any, audit: ExactnessAudit, model: Any, plain: torch.Tensor, input_ids: torch.Tensor,
+                   attention_mask: torch.Tensor, logits_to_keep: int, step: int, mechanisms: list[str]) -> None:
     """The gradient of Σ log-probs of the audited rows with respect to the trainable parameters, through a fresh
     shared-prefix pass (prefix with its graph, suffix against it; the same functions the actor window runs) and
-    through the plain pass; `torch.autograd.grad`, so no `.grad` is touched."""
+    through the plain pass (`plain`: its log-probs of those rows, with their graph); `torch.autograd.grad`, so no
+    `.grad` is touched."""
     rows = min(audit.spec.rows, input_ids.size(0))
     params = [p for p in model.parameters() if p.requires_grad]
     mask = attention_mask[:rows, -logits_to_keep:].to(torch.float32)
@@ -334,7 +339,7 @@ def audit_gradient(trainer: Any, audit: ExactnessAudit, model: Any, plain: Calla
             autocast=trainer.accelerator.autocast, training=True, share_prefix=True,
             prompts_per_chunk=trainer.rollplex["rollplex_prefix_chunk_prompts"], precomputed=None)
         ours = torch.autograd.grad((result[0].float() * mask).sum(), params, allow_unused=True)
-        reference = torch.autograd.grad((plain(rows).float() * mask).sum(), params, allow_unused=True)
+        reference = torch.autograd.grad((plain[:rows].float() * mask).sum(), params, allow_unused=True)
     audit.check_gradient(step=step, ours=list(ours), plain=list(reference), mechanisms=mechanisms,
                          record=trainer._record)
 
