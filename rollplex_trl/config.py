@@ -379,7 +379,8 @@ class RollplexGRPOConfig(GRPOConfig):
         metadata={
             "help": "What T-GRPO shuffles. 'frame': the sampled frames (Video-R1's behaviour). 'patch': whole temporal "
             "patches (2 frames on Qwen2.5-VL), whose vision features are then an exact permutation of the ordered "
-            "clip's (docs/temporal.md; reusing them instead of running the vision tower again is not wired yet).",
+            "clip's: the transformers rollout permutes those instead of running the vision tower again "
+            "(docs/temporal.md).",
             "choices": ["frame", "patch"],
         },
     )

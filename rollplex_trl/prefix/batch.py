@@ -18,6 +18,7 @@ import torch
 from rollplex_trl.data.prompt import PreparedPrompt, prompt_identity, token_type_ids, vision_inputs
 from rollplex_trl.prefix.forward import prefix_forward, suffix_logps, unwrap_model
 from rollplex_trl.prefix.state import PrefixState
+from rollplex_trl.prefix.vision_reuse import VideoFeatureStore
 
 
 @dataclass
@@ -67,16 +68,19 @@ def prefix_inputs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: Seq
 
 def run_prefix(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                rows: Sequence[PreparedPrompt] | None, *, keep_graph: bool, generate_positions: bool = False,
-               trim: bool = True) -> PrefixState:
+               trim: bool = True, video_store: VideoFeatureStore | None = None) -> PrefixState:
     """`prefix_forward` on U unique prompts, given as left-padded rows (U, P) and, for VL prompts, their
     `PreparedPrompt`s. Columns that are padding in every row are dropped first (they cost compute, change nothing).
     `generate_positions`: 1-D RoPE positions as HF's `generate` numbers them (from each row's first real token)
-    instead of as its plain forward does (arange), so a cache built here continues `generate` exactly."""
+    instead of as its plain forward does (arange), so a cache built here continues `generate` exactly.
+    `video_store`: the step's recorded video features (prefix/vision_reuse.py), reused and extended here."""
     start, prompt_ids, prompt_mask, vision = prefix_inputs(prompt_ids, prompt_mask, rows, trim=trim)
     positions = None
     if generate_positions and not hasattr(unwrap_model(model).base_model, "get_rope_index"):
         positions = (prompt_mask.long().cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1)
-    return prefix_forward(model, prompt_ids, prompt_mask, keep_graph=keep_graph, position_ids=positions, **vision)
+    features = video_store.for_rows(rows) if video_store is not None and rows is not None else None
+    return prefix_forward(model, prompt_ids, prompt_mask, keep_graph=keep_graph, position_ids=positions,
+                          video_features=features, **vision)
 
 
 def shared_prefix_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -29,6 +29,7 @@ import torch.nn as nn
 from rollplex_trl.prefix.cascade import group_rows
 from rollplex_trl.prefix.state import PrefixState
 from rollplex_trl.prefix.suffix_attention import CascadeSuffixLayer, cascade_attention_switched
+from rollplex_trl.prefix.vision_reuse import VideoFeatures
 from rollplex_trl.trl_compat import (
     CHECKPOINT_WITH_CACHE_FLAG,
     Cache,
@@ -249,6 +250,7 @@ def prefix_forward(
     mm_token_type_ids: torch.Tensor | None = None,
     keep_graph: bool = False,
     position_ids: torch.Tensor | None = None,
+    video_features: VideoFeatures | None = None,
 ) -> PrefixState:
     """Run the U unique prompts (left-padded, (U, P)) once and keep the per-layer K/V of prompt[:, :-1].
 
@@ -257,6 +259,8 @@ def prefix_forward(
     no_grad (old/ref log-probs). Works on Qwen2.5-VL and on text-only Qwen2/Llama-family causal LMs, also wrapped in
     PEFT; gradient checkpointing may be on (see `_cache_safe_checkpointing`). `position_ids` (U, P) overrides the
     1-D positions for callers that must match another convention (HF's `generate` counts from the first real token).
+    `video_features` (prefix/vision_reuse.py): where set, the videos' features come from it (reused or encoded and
+    recorded) and reach the model as `mm_encoder_outputs` instead of pixels.
     """
     causal_lm = unwrap_model(model)
     backbone = causal_lm.base_model
@@ -278,6 +282,8 @@ def prefix_forward(
 
     capture = Cache(layers=[_CaptureLayer() for _ in layers])
     with torch.set_grad_enabled(keep_graph), _cache_safe_checkpointing(layers):
+        if video_features is not None and "pixel_values_videos" in vision:
+            vision["mm_encoder_outputs"] = _encoder_outputs(backbone, vision, video_features)
         # Attention writes into any cache passed in; use_cache=True would only ask the model to create one (and
         # draws a warning under checkpointing). The last layer's prompt output is computed but unused (1/L of the
         # prefix work); skipping it would take a hook into the model's loop, not worth the obscurity here.
@@ -296,6 +302,16 @@ def prefix_forward(
         num_layers=len(layers),
         has_graph=any(t.requires_grad for t in (*keys, *values)),
     )
+
+
+def _encoder_outputs(backbone: nn.Module, vision: dict, video_features: VideoFeatures) -> dict:
+    """The forward's `mm_encoder_outputs` in place of its pixel inputs (popped from `vision`): the model takes one
+    or the other, so images, if any, are encoded here too, by the call its forward would make."""
+    outputs = video_features.resolve(backbone, vision.pop("pixel_values_videos"), vision["video_grid_thw"])
+    if "pixel_values" in vision:
+        outputs["image"] = backbone.get_image_features(vision.pop("pixel_values"), vision["image_grid_thw"],
+                                                       return_dict=True)
+    return outputs
 
 
 # ----------------------------------------------------------------------------------------------------------------

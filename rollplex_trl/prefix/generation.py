@@ -40,6 +40,7 @@ from rollplex_trl.prefix import shared_decode as sd
 from rollplex_trl.prefix.batch import Precomputed, PromptGroups, StepPrefixes, group_by_prompt, run_prefix
 from rollplex_trl.prefix.forward import cache_kwarg, unwrap_model
 from rollplex_trl.prefix.state import PrefixState
+from rollplex_trl.prefix.vision_reuse import VideoFeatureStore
 
 _VISION_KWARGS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
                   "mm_token_type_ids")
@@ -81,10 +82,10 @@ class BackendPrefill:
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
-def _transformers_prefill(model: torch.nn.Module) -> BackendPrefill:
+def _transformers_prefill(model: torch.nn.Module, video_store: VideoFeatureStore | None = None) -> BackendPrefill:
     """The default prefill: the decoding model's own layers (`run_prefix`), 1-D RoPE positions numbered as HF's
-    `generate` numbers them."""
-    return BackendPrefill(run=functools.partial(run_prefix, model, generate_positions=True))
+    `generate` numbers them; video features reused from and recorded into `video_store` where given."""
+    return BackendPrefill(run=functools.partial(run_prefix, model, generate_positions=True, video_store=video_store))
 
 
 def _prefill_unique(prefill: BackendPrefill, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -200,13 +201,15 @@ def prefill_cache(causal_lm: torch.nn.Module, input_ids: torch.Tensor, attention
                   num_generations: int | None = None, for_actor: PrefillForActor | None = None,
                   compile_decode: str = "off",
                   forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                  prefill: BackendPrefill | None = None) -> PrefilledCache:
+                  prefill: BackendPrefill | None = None, video_store: VideoFeatureStore | None = None
+                  ) -> PrefilledCache:
     """Prefill each unique prompt of the R = U*G rows once and build the decode cache of the R rows: expanded (the
     prompt K/V copied to every row) or, per `shared_decode`, shared (held once per prompt). Sets the backbone's
     M-RoPE deltas for HF's decode steps. `generate_kwargs`: what the decode's `generate` gets besides the ids, mask
-    and cache (read, not changed: the generation config decides the shared cache's capacity)."""
-    state, groups = prefill_for_rollout(prefill or _transformers_prefill(causal_lm), input_ids, attention_mask,
-                                        rows, for_actor=for_actor, forward_context=forward_context)
+    and cache (read, not changed: the generation config decides the shared cache's capacity). `video_store`: the
+    step's video features (prefix/vision_reuse.py), for the decoding model's own prefill (a backend's ignores it)."""
+    state, groups = prefill_for_rollout(prefill or _transformers_prefill(causal_lm, video_store), input_ids,
+                                        attention_mask, rows, for_actor=for_actor, forward_context=forward_context)
     dtypes = None
     if prefill is not None:
         # another backend's kernels may leave K/V in other dtypes than the decoding model caches (Megatron's
@@ -261,7 +264,8 @@ def generate_with_shared_prefill(model: torch.nn.Module, input_ids: torch.Tensor
                                  for_actor: PrefillForActor | None = None, compile_decode: str = "off",
                                  forward_context: ContextFactory = contextlib.nullcontext,
                                  decode_context: ContextFactory = contextlib.nullcontext,
-                                 prefill: BackendPrefill | None = None, **generate_kwargs):
+                                 prefill: BackendPrefill | None = None,
+                                 video_store: VideoFeatureStore | None = None, **generate_kwargs):
     """`model.generate(input_ids=, attention_mask=, **generate_kwargs)` with each unique prompt prefilled once: the
     prefill (`prefill_cache`), then HF's `generate` from that cache, without the vision inputs, inside `decoding`.
 
@@ -276,12 +280,13 @@ def generate_with_shared_prefill(model: torch.nn.Module, input_ids: torch.Tensor
     autocast); the prefill, which calls the layers directly, runs inside it too. `decode_context()`: entered around
     the decode steps only, inside the decode window (the trainer's: frozen weights' autocast casts kept,
     rollout/weight_casts.py). `prefill`: a training backend's prefill (`BackendPrefill`) in place of the decoding
-    model's own layers.
+    model's own layers. `video_store`: video features shared between this step's prefills (prefix/vision_reuse.py).
     """
     causal_lm = unwrap_model(model)
     prefilled = prefill_cache(causal_lm, input_ids, attention_mask, rows, generate_kwargs,
                               shared_decode=shared_decode, num_generations=num_generations, for_actor=for_actor,
-                              compile_decode=compile_decode, forward_context=forward_context, prefill=prefill)
+                              compile_decode=compile_decode, forward_context=forward_context, prefill=prefill,
+                              video_store=video_store)
     if on_prefill is not None:
         on_prefill(input_ids.size(0), prefilled.unique_prompts)
     window = decode_window(input_ids, attention_mask) if decode_window is not None else contextlib.nullcontext()

@@ -24,6 +24,7 @@ import torch
 from rollplex_trl import trl_compat
 from rollplex_trl.data.prompt import PreparedPrompt
 from rollplex_trl.prefix.generation import BackendPrefill, PrefillForActor, generate_with_shared_prefill
+from rollplex_trl.prefix.vision_reuse import VideoFeatureStore
 
 
 class TransformersRollout:
@@ -37,7 +38,8 @@ class TransformersRollout:
                  for_actor: PrefillForActor | None = None, on_prefill: Callable[[int, int], None] | None = None,
                  shared_decode: str = "off", compile_decode: str = "off",
                  decode_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 prefill: BackendPrefill | None = None) -> list[list[int]]:
+                 prefill: BackendPrefill | None = None, video_store: VideoFeatureStore | None = None
+                 ) -> list[list[int]]:
         """Completion ids per row (R rows: each prompt of `prompt_ids` as TRL repeats it). `rows`: the rows'
         prepared prompts (None: grouped by their tokens). The other arguments are `generate_with_shared_prefill`'s;
         the prefill and the decode's forward run in the trainer's autocast (`accelerator.autocast`)."""
@@ -49,7 +51,8 @@ class TransformersRollout:
                 model, input_ids, attention_mask, rows, on_prefill=on_prefill, decode_window=decode_window,
                 shared_decode=shared_decode, num_generations=num_generations, for_actor=for_actor,
                 compile_decode=compile_decode, forward_context=t.accelerator.autocast, decode_context=decode_context,
-                prefill=prefill, generation_config=trl_compat.generation_config(t), **inputs)
+                prefill=prefill, video_store=video_store, generation_config=trl_compat.generation_config(t),
+                **inputs)
         return self._completions(prompt_completion_ids[:, input_ids.size(1):])
 
     def _inputs(self, prompt_ids: list[list[int]], multimodal_fields: dict) -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ import torch
 
 from rollplex_trl.data.prompt import PreparedPrompt
 from rollplex_trl.prefix.batch import ActorPrefix, StepPrefixes
+from rollplex_trl.prefix.vision_reuse import VideoFeatureStore
 
 
 @dataclass
@@ -31,18 +32,21 @@ class BatchContext:
     prefixes: StepPrefixes = field(default_factory=StepPrefixes)
     # T-GRPO: the shuffled completions of this generation batch (trainers/temporal.py), from the rollout to the rewards
     shuffled: Any = None
+    # T-GRPO at temporal-patch granularity: the video features the ordered rollout's prefill computed, for the
+    # shuffled copies' prefill (prefix/vision_reuse.py); None when nothing reuses them
+    video_store: VideoFeatureStore | None = None
 
 
     @contextlib.contextmanager
     def generating(self, rows: list[PreparedPrompt]) -> Iterator[None]:
         previous = self.generation_rows, self.scored_rows
         self.generation_rows = self.scored_rows = rows
-        self.shuffled = None
+        self.shuffled = self.video_store = None
         try:
             yield
         finally:
             self.generation_rows, self.scored_rows = previous
-            self.shuffled = None
+            self.shuffled = self.video_store = None
 
     @contextlib.contextmanager
     def scoring(self, rows: list[PreparedPrompt] | None,

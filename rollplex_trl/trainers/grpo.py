@@ -239,6 +239,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
         def peer(pool):  # a pooled rollout's non-decoding rank: its decode window only
             self.rollout.peer(prompt_ids, images, num_generations, has_tool_images, pool)
 
+        if self.temporal is not None:  # T-GRPO: what the shuffled rollout will reuse of the ordered one
+            self.temporal.before_rollout(self)
         try:
             result = self.backend.generate(rollout, peer)
         except BaseException:

@@ -145,7 +145,7 @@ class TrainerRollout:
         t = self.trainer
         return {"shared_decode": t.rollplex["rollplex_shared_decode"],
                 "compile_decode": t.rollplex["rollplex_compile_decode"], "decode_context": self.decode_weight_casts,
-                "prefill": self.backend_prefill()}
+                "prefill": self.backend_prefill(), "video_store": t.batch.video_store}
 
     def backend_prefill(self) -> BackendPrefill | None:
         """How the transformers rollout prefills (`generate_with_shared_prefill(prefill=)`): None for the decoding

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from rollplex_trl.data.prompt import PreparedPrompt
+from rollplex_trl.prefix.vision_reuse import VideoFeatureStore
 from rollplex_trl.temporal import LengthControl, ShuffledVideo, TemporalBonus, length_bonus, shuffled_prompt
 from rollplex_trl.temporal import temporal_bonus as compute_temporal_bonus
 
@@ -115,11 +117,16 @@ class TemporalRecipe:
         return out
 
     def sample(self, rows: list[PreparedPrompt], *, process_index: int, step: int,
-               generate: Callable[[list[list[int]], list[PreparedPrompt], int], list[list[int]]]) -> ShuffledRollout:
+               generate: Callable[[list[list[int]], list[PreparedPrompt], int], list[list[int]]],
+               video_store: VideoFeatureStore | None = None) -> ShuffledRollout:
         """Sample the shuffled completions of the groups this process owns. `rows`: this process's generation
         batch (its prepared prompts, in TRL's order); `generate(prompt ids, rows, per_prompt)`: the trainer's rollout
-        engine without a decode window, returning completion ids per row."""
+        engine without a decode window, returning completion ids per row. `video_store`: told which copy comes from
+        which ordered prompt (temporal-patch granularity), so the copies' prefill can reuse the ordered features."""
         groups = self.shuffled_groups(rows, process_offset=process_index * len(rows), step=step)
+        if video_store is not None and self.granularity == "patch":
+            for g in groups:
+                video_store.derive(g.row, g.how.ordered, g.how.permutations)
         S = self.generations
         shuffled_rows = [g.row for g in groups for _ in range(S)]
         completion_ids: list[list[int]] = []
@@ -131,16 +138,36 @@ class TemporalRecipe:
                                    f"{len(shuffled_rows)} rows")
         return ShuffledRollout(groups=groups, completion_ids=[list(c) for c in completion_ids], generations=S)
 
+    def before_rollout(self, trainer: Any) -> None:
+        """Before the ordered rollout of a training generation batch: at temporal-patch granularity, a store for
+        the video features its prefill computes (prefix/vision_reuse.py), which the shuffled copies' prefill
+        permutes instead of running the vision tower again. Only the transformers engine's own prefill fills it (vLLM
+        encodes inside its engine; a backend's prefill and TRL's generate do not record), and a video it has no
+        features for is encoded as usual: the store changes what runs, never the result."""
+        if (self.temporal and self.granularity == "patch" and trainer.model.training
+                and trainer.vllm_rollout is None and trainer.batch.generation_rows is not None):
+            trainer.batch.video_store = VideoFeatureStore()
+
     def after_rollout(self, trainer: Any, trl_generate: Callable) -> None:
         """After the ordered rollout of a training generation batch: sample the shuffled copies at the same weights
         through the trainer's rollout engine (`TrainerRollout.extra_samples`) into `trainer.batch.shuffled`."""
         rows = trainer.batch.generation_rows
         if not (self.temporal and trainer.model.training and rows is not None):
             return
-        trainer.batch.shuffled = self.sample(
-            rows, process_index=trainer.accelerator.process_index, step=trainer.state.global_step,
-            generate=lambda ids, shuffled_rows, per_prompt: trainer.rollout.extra_samples(
-                ids, shuffled_rows, per_prompt, trl_generate))
+        store = trainer.batch.video_store
+        started = time.perf_counter()
+        try:
+            trainer.batch.shuffled = self.sample(
+                rows, process_index=trainer.accelerator.process_index, step=trainer.state.global_step,
+                generate=lambda ids, shuffled_rows, per_prompt: trainer.rollout.extra_samples(
+                    ids, shuffled_rows, per_prompt, trl_generate), video_store=store)
+        finally:
+            trainer.batch.video_store = None  # the ordered clips' features are not needed after this
+        trainer._record("rollplex/temporal_rollout_s", time.perf_counter() - started)
+        if store is not None:
+            videos = sum(len(g.how.permutations) for g in trainer.batch.shuffled.groups)
+            if videos:  # of the shuffled copies' videos, the share whose tower pass was a permutation of features
+                trainer._record("rollplex/temporal_vision_reused", store.reused / videos)
 
     @staticmethod
     @contextlib.contextmanager
