@@ -1,5 +1,6 @@
 """One process of tests/test_verify.py's DDP test (torchrun, gloo): audited video GRPO steps; with mode "fault" the
-decode window's prefixes are wrong on rank 1 only. Writes the logged audit values and the warnings it printed."""
+decode window's prefixes are wrong on rank 1 only, with mode "grad" the actor suffix's gradient is scaled by 1.5 on
+rank 1 only (its values unchanged). Writes the logged audit values and the warnings it printed."""
 
 import json
 import logging
@@ -20,6 +21,16 @@ def main(checkpoint: str, out: str, mode: str) -> None:
     rank = int(os.environ["RANK"])
     if mode == "fault" and rank == 1:
         prefix_batch.StepPrefixes.take_scoring = broken_take_scoring()
+    if mode == "grad" and rank == 1:
+        import rollplex_trl.backends.hf as hf_backend
+
+        suffix = hf_backend.suffix_logps
+
+        def scaled_gradient(*args, **kwargs):  # the same log-probs, their gradient 1.5 times as large
+            logps, entropies = suffix(*args, **kwargs)
+            return logps * 1.5 - logps.detach() * 0.5, entropies
+
+        hf_backend.suffix_logps = scaled_gradient
     warnings: list[str] = []
 
     class Collect(logging.Handler):

@@ -9,7 +9,7 @@ from datasets import Dataset
 
 import rollplex_trl.prefix.batch as prefix_batch
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
-from rollplex_trl.trainers.verify import GRAD_TOLERANCE, TOLERANCE, audit_spec
+from rollplex_trl.trainers.verify import GRAD_TOLERANCE, SAMPLER_TOLERANCE, TOLERANCE, audit_spec
 
 from helpers import broken_take_scoring
 
@@ -162,9 +162,49 @@ def test_audit_names_a_broken_cascade_attention(tiny_vl_path, tmp_path, video_da
     assert "rollplex_suffix_attention='concat' turns it off" in caplog.text
 
 
+@pytest.mark.parametrize("defaults", [False, True], ids=["fp32", "trl-defaults"])
+@pytest.mark.parametrize("shared_decode", ["on", "off"])
+def test_transformers_sampler_log_probs_within_tolerance(tiny_vl_path, tmp_path, video_dataset, defaults,
+                                                         shared_decode):
+    """The transformers rollout's own log-probs of the sampled tokens (recorded for the audited rows,
+    rollout/sampled_logps.py) agree with a plain pass at θ_k, at a temperature other than 1 (TRL divides the
+    logits by it), with the prompt's K/V shared in the decode or copied to every row."""
+    extra = dict(bf16=True, gradient_checkpointing=True) if defaults else {}
+    _, logs = _train(tiny_vl_path, video_dataset, tmp_path, "sampler", max_steps=4, temperature=0.7,
+                     rollplex_shared_decode=shared_decode, **extra)
+    values = [r["rollplex/verify_sampler_logp_abs"] for r in logs if "rollplex/verify_sampler_logp_abs" in r]
+    print("sampler |Δ log-prob| per audited step:", values)  # pytest -s
+    assert len(values) == 2, "the sampler is audited at every rollout of an audited step (one per two steps)"
+    assert max(values) <= (0.1 if defaults else 1e-4)
+    assert all(r["rollplex/verify_within_tolerance"] == 1.0 for r in logs)
+
+
+def test_audit_catches_a_shared_decode_cache_pointing_at_the_wrong_group(tiny_vl_path, tmp_path, video_dataset,
+                                                                        monkeypatch, caplog):
+    """The shared-prefix decode's cache maps each row to the next group's prompt: the completions are sampled from
+    another prompt's distribution. The trainer's log-prob passes are all consistent with each other (they score the
+    right prompt), so only the sampler's own log-probs show it, and the report names the decode."""
+    import rollplex_trl.prefix.shared_decode as shared_decode
+
+    build = shared_decode.build_cache
+
+    def wrong_group(keys, values, prompt_mask, row_to_prompt, **kwargs):
+        return build(keys, values, prompt_mask, (row_to_prompt + 1) % prompt_mask.size(0), **kwargs)
+
+    monkeypatch.setattr(shared_decode, "build_cache", wrong_group)
+    with caplog.at_level(logging.WARNING, logger="rollplex_trl.trainers.verify"):
+        _, logs = _train(tiny_vl_path, video_dataset, tmp_path, "wrong-group", max_steps=1,
+                         rollplex_shared_decode="on")
+    # (the random test model's next-token distribution depends little on its prompt: 0.07 here, fp32 clean 1e-6)
+    assert logs[0]["rollplex/verify_sampler_logp_abs"] > 10 * SAMPLER_TOLERANCE["fp32"]
+    assert all(logs[0][f"rollplex/verify_{kind}_logp_abs"] <= TOLERANCE["fp32"] for kind in PASSES)
+    assert "the sampler log-probs differ" in caplog.text
+    assert "rollplex_shared_decode='off'" in caplog.text
+
+
 def test_audit_under_ddp_reports_the_worst_process(tiny_vl_path, tmp_path):
     """Two processes (gloo): each audits its own rows; the logged values are the worst process's, so a fault on
-    rank 1 only shows in rank 0's logs too, while only rank 1 warns (and names the mechanism)."""
+    rank 1 only (a wrong prefix, a scaled gradient) shows in rank 0's logs too, while only rank 1 warns."""
     from pathlib import Path
 
     from helpers import run_two_processes
@@ -181,5 +221,12 @@ def test_audit_under_ddp_reports_the_worst_process(tiny_vl_path, tmp_path):
     assert fault[0]["logs"][0]["rollplex/verify_ref_logp_abs"] > TOLERANCE["fp32"]
     assert not fault[0]["warnings"]
     assert any("Re-run without the prefix built ahead of this pass" in w for w in fault[1]["warnings"])
+    # a gradient scaled on rank 1 only (log-probs unchanged): the gradient check catches it, reduced to every rank
+    grad = run_two_processes(worker, [str(tiny_vl_path), str(tmp_path), "grad"], tmp_path, "grad-rank*.json", 29613)
+    assert grad[0]["logs"] == grad[1]["logs"]
+    assert all(row["rollplex/verify_actor_grad_rel"] == pytest.approx(0.5, rel=1e-3) for row in grad[0]["logs"])
+    assert all(v <= TOLERANCE["fp32"] for row in grad[0]["logs"] for k, v in row.items() if k.endswith("logp_abs"))
+    assert not grad[0]["warnings"]
+    assert any("the actor's gradient through the shared prefix differs" in w for w in grad[1]["warnings"])
     # the start-up banner says how many processes there are (callbacks/banner.py)
     assert clean[0]["banner"][0].startswith("[rollplex] 2 processes: data parallel 2 x tensor parallel 1")

@@ -23,8 +23,10 @@ import torch
 
 from rollplex_trl import trl_compat
 from rollplex_trl.data.prompt import PreparedPrompt
+from rollplex_trl.prefix.forward import unwrap_model
 from rollplex_trl.prefix.generation import BackendPrefill, PrefillForActor, generate_with_shared_prefill
 from rollplex_trl.prefix.vision_reuse import VideoFeatureStore
+from rollplex_trl.rollout.sampled_logps import SampledLogps
 
 
 class TransformersRollout:
@@ -38,21 +40,26 @@ class TransformersRollout:
                  for_actor: PrefillForActor | None = None, on_prefill: Callable[[int, int], None] | None = None,
                  shared_decode: str = "off", compile_decode: str = "off",
                  decode_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 prefill: BackendPrefill | None = None, video_store: VideoFeatureStore | None = None
-                 ) -> list[list[int]]:
+                 prefill: BackendPrefill | None = None, video_store: VideoFeatureStore | None = None,
+                 sampled_logps: SampledLogps | None = None) -> list[list[int]]:
         """Completion ids per row (R rows: each prompt of `prompt_ids` as TRL repeats it). `rows`: the rows'
-        prepared prompts (None: grouped by their tokens). The other arguments are `generate_with_shared_prefill`'s;
-        the prefill and the decode's forward run in the trainer's autocast (`accelerator.autocast`)."""
+        prepared prompts (None: grouped by their tokens). `sampled_logps`: records the sampler's log-probs of the
+        first rows' tokens (the exactness audit, rollout/sampled_logps.py). The other arguments are
+        `generate_with_shared_prefill`'s; the prefill and the decode's forward run in the trainer's autocast
+        (`accelerator.autocast`)."""
         t = self.trainer
         inputs = self._inputs(prompt_ids, multimodal_fields)
         input_ids, attention_mask = inputs.pop("input_ids"), inputs.pop("attention_mask")
-        with trl_compat.generation_model(t) as model:
+        recording = sampled_logps.recording if sampled_logps is not None else lambda model: contextlib.nullcontext()
+        with trl_compat.generation_model(t) as model, recording(unwrap_model(model)):
             prompt_completion_ids = generate_with_shared_prefill(
                 model, input_ids, attention_mask, rows, on_prefill=on_prefill, decode_window=decode_window,
                 shared_decode=shared_decode, num_generations=num_generations, for_actor=for_actor,
                 compile_decode=compile_decode, forward_context=t.accelerator.autocast, decode_context=decode_context,
                 prefill=prefill, video_store=video_store, generation_config=trl_compat.generation_config(t),
                 **inputs)
+        if sampled_logps is not None:
+            sampled_logps.finish(prompt_completion_ids[:, input_ids.size(1):])
         return self._completions(prompt_completion_ids[:, input_ids.size(1):])
 
     def _inputs(self, prompt_ids: list[list[int]], multimodal_fields: dict) -> dict[str, torch.Tensor]:

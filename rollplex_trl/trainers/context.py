@@ -35,18 +35,25 @@ class BatchContext:
     # T-GRPO at temporal-patch granularity: the video features the ordered rollout's prefill computed, for the
     # shuffled copies' prefill (prefix/vision_reuse.py); None when nothing reuses them
     video_store: VideoFeatureStore | None = None
+    # the exactness audit: the transformers sampler's log-probs of the audited rows (rollout/sampled_logps.py), from
+    # the rollout to `audit_sampler`, which takes them (`take_sampler_logps`)
+    sampler_logps: torch.Tensor | None = None
 
 
     @contextlib.contextmanager
     def generating(self, rows: list[PreparedPrompt]) -> Iterator[None]:
         previous = self.generation_rows, self.scored_rows
         self.generation_rows = self.scored_rows = rows
-        self.shuffled = self.video_store = None
+        self.shuffled = self.video_store = self.sampler_logps = None
         try:
             yield
         finally:
             self.generation_rows, self.scored_rows = previous
             self.shuffled = self.video_store = None
+
+    def take_sampler_logps(self) -> torch.Tensor | None:
+        value, self.sampler_logps = self.sampler_logps, None
+        return value
 
     @contextlib.contextmanager
     def scoring(self, rows: list[PreparedPrompt] | None,

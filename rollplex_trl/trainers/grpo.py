@@ -209,9 +209,10 @@ class RollplexGRPOTrainer(GRPOTrainer):
             raise RuntimeError("internal error: a generation batch mixes prepared and unprepared rows")
         with self.batch.generating(rows):
             output = super()._generate_and_score_completions(inputs)
+            sampled = self.batch.take_sampler_logps()  # the transformers sampler's, on an audit step
         output[PREPARED_KEY] = rows  # a list: TRL shuffles and splits it together with the row tensors
         self.media.record_skips(self.train_dataset, self._record)
-        return audit_sampler(self, output)
+        return audit_sampler(self, output, transformers_logps=sampled)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)

@@ -32,6 +32,7 @@ from rollplex_trl.data.prompt import PreparedPrompt, generation_fields
 from rollplex_trl.overlap import PrefixJobs
 from rollplex_trl.prefix.batch import StepPrefixes
 from rollplex_trl.prefix.generation import BackendPrefill, PrefillForActor, prefill_for_rollout
+from rollplex_trl.rollout.sampled_logps import SampledLogps
 from rollplex_trl.rollout.transformers_rollout import TransformersRollout
 
 # TRL's `_generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)`
@@ -70,11 +71,14 @@ class TrainerRollout:
         for_actor = PrefillForActor(wanted=self.actor_from_prefill, into=t.batch.prefixes,
                                     checkpointing=checkpointing)
         window = self.decode_window(rows, checkpointing)
+        sampled = self.sampler_audit()
         completion_ids = self.transformers.generate(
             prompt_ids, rows, num_generations, multimodal_fields=multimodal_fields, on_prefill=log,
             decode_window=pool.window(window) if pool is not None else window, for_actor=for_actor,
-            **self.engine_options())
-        return completion_ids, None  # TRL's regular generation keeps no sampling log-probs either
+            sampled_logps=sampled, **self.engine_options())
+        if sampled is not None:  # for the audit only: TRL's regular generation returns no sampling log-probs
+            t.batch.sampler_logps = sampled.result
+        return completion_ids, None
 
     def peer(self, prompt_ids: list[list[int]], images: Any, num_generations: int, has_tool_images: bool,
              pool: Any) -> None:
@@ -139,6 +143,15 @@ class TrainerRollout:
         t = self.trainer
         return (t.model.training and t.actor_window is not None and t.phase_memory is None
                 and t.backend.prefill_serves_actor(training=t.model.training) and self.policy_prefix_jobs().actor)
+
+    def sampler_audit(self) -> SampledLogps | None:
+        """On a training step the exactness audit checks: a recorder of the transformers sampler's own log-probs of
+        the audited rows (rollout/sampled_logps.py), compared with a plain pass by `audit_sampler`."""
+        t = self.trainer
+        audit = t.audit
+        if audit is None or not t.model.training or not audit.wants(t.state.global_step, "sampler"):
+            return None
+        return SampledLogps(rows=audit.spec.rows, temperature=t.temperature)
 
     def engine_options(self) -> dict[str, Any]:
         """The transformers engine's options that every rollout of this trainer shares."""

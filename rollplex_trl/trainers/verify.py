@@ -115,11 +115,11 @@ class ExactnessAudit:
 
     def check(self, *, step: int, kind: str, used: torch.Tensor, mask: torch.Tensor,
               plain: Callable[[int], torch.Tensor], mechanisms: list[str], record: Callable[[str, float], None],
-              variants: list[Variant] = (), tolerance: float | None = None) -> None:
+              variants: list[Variant] = (), tolerance: float | None = None, advice: str | None = None) -> None:
         """Compare the first rows of a pass's log-probs `used` (rows, C) with `plain(rows)`, the plain recomputation
         of those rows; `mask` (rows, C) marks completion tokens. `mechanisms`: what the pass used (for the report).
         `variants`: the same pass with one mechanism taken out each, tried in turn when the difference is too large,
-        to name the mechanism at fault."""
+        to name the mechanism at fault; `advice`: what the report says when no variant names it."""
         self._audited.add((step, kind))
         rows = min(self.spec.rows, used.size(0))
         with torch.no_grad():
@@ -133,7 +133,7 @@ class ExactnessAudit:
         logger.info("rollplex audit step %d, %s log-probs of %d rows: max |Δ| %.2e (tolerance %.0e, %s) %s", step,
                     kind, rows, abs_diff, tolerance, self.precision, "ok" if ok else "EXCEEDED")
         if not ok:
-            culprit = self._diagnose(variants, reference, mask[:rows], rows)
+            culprit = self._diagnose(variants, reference, mask[:rows], rows) or advice
             self._report(f"rollplex exactness audit, step {step}: the {kind} log-probs differ from a plain full "
                          f"forward of the same rows by up to {abs_diff:.3g} (tolerance {tolerance:g} under "
                          f"{self.precision})", kind, mechanisms, culprit)
@@ -262,16 +262,27 @@ def plain_pass(trainer: Any, model: Any, rows: Any, input_ids: torch.Tensor, att
     return plain
 
 
-def audit_sampler(trainer: Any, output: dict[str, Any]) -> dict[str, Any]:
-    """On an audit step, the rollout engine's own log-probs of the tokens it sampled (vLLM returns them: TRL's
-    `sampling_per_token_logps`) against a plain pass through the trainer's weights at θ_k: catches an engine that
-    samples from other weights than the trainer's (a skipped or wrongly mapped weight sync). Logged as
-    `rollplex/verify_sampler_logp_abs`; the tolerance is looser (`SAMPLER_TOLERANCE`): another engine's kernels.
-    Returns `output`."""
+def audit_sampler(trainer: Any, output: dict[str, Any], transformers_logps: torch.Tensor | None = None
+                  ) -> dict[str, Any]:
+    """On an audit step, the rollout engine's own log-probs of the tokens it sampled against a plain pass through
+    the trainer's weights at θ_k. vLLM returns them (TRL's `sampling_per_token_logps`): catches an engine that
+    samples from other weights than the trainer's (a skipped or wrongly mapped weight sync). The transformers
+    rollout's are recorded for the audited rows (`transformers_logps`, rollout/sampled_logps.py): catches a decode
+    that reads the wrong prompt's K/V (the shared prefill's cache, the shared-prefix decode). Logged as
+    `rollplex/verify_sampler_logp_abs`; the tolerance is looser (`SAMPLER_TOLERANCE`): another engine's kernels, or
+    the decode's cache in the model's dtype. Returns `output`."""
     from rollplex_trl.data.prepared import PREPARED_KEY
 
     audit: ExactnessAudit | None = trainer.audit
     sampled = output.get("sampling_per_token_logps")
+    mechanisms, advice = ["the rollout engine's weights (weight sync)"], None
+    if sampled is None and transformers_logps is not None:
+        sampled = _completion_width(transformers_logps, output["completion_ids"].size(1))
+        mechanisms = ["the rollout's shared prefill (each prompt's K/V computed once for its G samples)"]
+        if trainer.rollplex["rollplex_shared_decode"] != "off":
+            mechanisms.append("the shared-prefix decode (rollplex_shared_decode, where it applied)")
+        advice = ("The sampled tokens came from another distribution than the policy's given their prompt: try "
+                  "rollplex_shared_decode='off', then rollplex_share_prefix='off' (no shared prefill)")
     step = trainer.state.global_step
     if audit is None or sampled is None or not trainer.model.training or not audit.wants(step, "sampler"):
         return output
@@ -283,9 +294,16 @@ def audit_sampler(trainer: Any, output: dict[str, Any]) -> dict[str, Any]:
     plain = plain_pass(trainer, trainer.accelerator.unwrap_model(trainer.model), output.get(PREPARED_KEY),
                        input_ids, attention_mask, width)
     audit.check(step=step, kind="sampler", used=sampled, mask=output["completion_mask"], plain=plain,
-                mechanisms=["the rollout engine's weights (weight sync)"], record=trainer._record,
-                tolerance=SAMPLER_TOLERANCE[audit.precision])
+                mechanisms=mechanisms, record=trainer._record, tolerance=SAMPLER_TOLERANCE[audit.precision],
+                advice=advice)
     return output
+
+
+def _completion_width(logps: torch.Tensor, width: int) -> torch.Tensor:
+    """Recorded (rows, decode steps) log-probs cut or zero-padded to TRL's completion width (its longest row)."""
+    if logps.size(1) >= width:
+        return logps[:, :width]
+    return torch.cat([logps, logps.new_zeros(logps.size(0), width - logps.size(1))], dim=1)
 
 
 def variants(trainer: Any, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
