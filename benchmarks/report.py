@@ -207,7 +207,9 @@ def render_temporal(data: dict) -> str:
     rows = [{"configuration": name, **row} for name, row in data["table"].items()]
     spec = [("configuration", lambda r: r["configuration"]), ("step (s)", lambda r: num(r.get("step_s"))),
             ("step / GRPO's", lambda r: f"**{ratio(r.get('vs_grpo'))}**"),
+            ("shuffled rollout (s)", lambda r: num(r["shuffled_rollout_s"]) if r.get("shuffled_rollout_s") else NONE),
             ("shuffled groups per step", lambda r: num(r.get("shuffled_groups_per_step"))),
+            ("shuffled videos not re-encoded", lambda r: num(r["vision_reused"]) if "vision_reused" in r else NONE),
             ("naive / ours", lambda r: ratio(r["naive_over_ours"]) if "naive_over_ours" in r else NONE)]
     return columns(spec, rows)
 
@@ -398,8 +400,10 @@ SECTIONS = [
     ("## T-GRPO's shuffled rollout (`benchmarks/bench_temporal.py`)",
      "Plain GRPO against T-GRPO with the shuffled rows sampled as Video-R1 samples them (TRL's generate, every row "
      "prefilling the whole video prompt) and through the trainer's rollout (shared prefill, shared-prefix decode), "
-     "on the synthetic video task, runs alternating; run `OMP_NUM_THREADS=2 .venv/bin/python "
-     "benchmarks/bench_temporal.py [--size 224] [--frames 16] [--repeats 3] --out benchmarks/results/temporal.json`.",
+     "frames shuffled one by one (Video-R1's) or in temporal patches (`patch`: the shuffled prefill reuses the "
+     "ordered clip's vision features), on the synthetic video task, runs alternating; run "
+     "`OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_temporal.py [--preset small] [--size 224] [--frames 16] "
+     "[--repeats 3] --out benchmarks/results/temporal.json`.",
      [("temporal*.json", render_temporal, None)]),
     ("## Exactness audit (`benchmarks/bench_verify.py`)",
      "Runs without the audit against runs auditing every step (the first ref, policy and actor pass recomputed for "
