@@ -24,6 +24,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,22 +52,38 @@ def answer_mention_reward(completions, solution, **kwargs) -> list[float]:
     return rewards
 
 
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum` (``--steps 0`` would make TRL train by epochs instead)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
 def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The main job's options (``rollplex-trl demo --help``)."""
     parser.add_argument("--output-dir", default="runs/demo", help="where data, checkpoints and logs go")
     parser.add_argument("--preset", default="demo", choices=["tiny", "demo", "small"],
                         help="size of the local Qwen2.5-VL")
-    parser.add_argument("--sft-steps", type=int, default=200, help="supervised cold-start steps (0: no cold start)")
+    parser.add_argument("--sft-steps", type=_at_least(0), default=200,
+                        help="supervised cold-start steps (0: no cold start)")
     parser.add_argument("--sft-learning-rate", type=float, default=5e-4)
-    parser.add_argument("--steps", type=int, default=100, help="GRPO optimizer steps")
-    parser.add_argument("--num-samples", type=int, default=256, help="training clips to generate")
-    parser.add_argument("--heldout-samples", type=int, default=64, help="held-out clips (disjoint scenes)")
-    parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (G)")
-    parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts per optimizer step")
-    parser.add_argument("--max-completion-length", type=int, default=24)
-    parser.add_argument("--frames", type=int, default=8, help="frames per clip (and most frames sampled)")
-    parser.add_argument("--size", type=int, default=112, help="clip height and width in pixels")
-    parser.add_argument("--max-pixels", type=int, default=56 * 56, help="pixels per sampled frame")
+    parser.add_argument("--steps", type=_at_least(1), default=100, help="GRPO optimizer steps")
+    parser.add_argument("--num-samples", type=_at_least(1), default=256, help="training clips to generate")
+    parser.add_argument("--heldout-samples", type=_at_least(1), default=64, help="held-out clips (disjoint scenes)")
+    parser.add_argument("--num-generations", type=_at_least(2), default=8, help="completions per prompt (G)")
+    parser.add_argument("--prompts-per-step", type=_at_least(1), default=8, help="prompts per optimizer step")
+    parser.add_argument("--max-completion-length", type=_at_least(1), default=24)
+    parser.add_argument("--frames", type=_at_least(2), default=8, help="frames per clip (and most frames sampled)")
+    parser.add_argument("--size", type=_at_least(28), default=112, help="clip height and width in pixels")
+    parser.add_argument("--max-pixels", type=_at_least(784), default=56 * 56, help="pixels per sampled frame")
     parser.add_argument("--learning-rate", type=float, default=5e-4, help="GRPO learning rate")
     parser.add_argument("--beta", type=float, default=0.0,
                         help="KL coefficient (TRL's default 0; Video-R1 uses 0.04: held-out 0.863 vs 0.883 at seed 0)")
@@ -77,10 +94,10 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--tasks", default="left_right",
                         help="synthetic task types, comma-separated, from count, direction, first_appeared, "
                         "left_right (left_right needs the frames in order)")
-    parser.add_argument("--eval-every", type=int, default=25, help="GRPO steps between held-out evaluations")
-    parser.add_argument("--eval-samples", type=int, default=4,
+    parser.add_argument("--eval-every", type=_at_least(1), default=25, help="GRPO steps between held-out evaluations")
+    parser.add_argument("--eval-samples", type=_at_least(1), default=4,
                         help="sampled answers per held-out question (temperature 1, as in the rollouts)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    parser.add_argument("--threads", type=_at_least(0), default=0, help="torch threads (0: all cores)")
     return parser
 
 

@@ -3,6 +3,7 @@
 import argparse
 import json
 
+import pytest
 from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration, TrainerControl, TrainerState
 
 from rollplex_trl.callbacks import JsonlLoggerCallback
@@ -71,6 +72,16 @@ def test_cli_demo_and_demo_module_share_options():
         assert cli.pop("command") == "demo" and cli.pop("func") is not None
         assert cli == vars(add_demo_arguments(argparse.ArgumentParser()).parse_args(argv))
     assert cli["steps"] == 2 and build_parser().parse_args(["demo"]).output_dir == "runs/demo"
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--eval-every", "0"], ["--num-generations", "1"],
+                                  ["--sft-steps", "-1"], ["--steps", "ten"]])
+def test_demo_refuses_counts_that_would_not_run_as_asked(argv, capsys):
+    """`--steps 0` made TRL train by epochs instead; every count is checked before anything is built."""
+    with pytest.raises(SystemExit) as raised:
+        build_parser().parse_args(["demo", *argv])
+    assert raised.value.code == 2
+    assert f"argument {argv[0]}" in capsys.readouterr().err
 
 
 def test_jsonl_logger_appends_each_record(tmp_path):
