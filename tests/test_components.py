@@ -98,11 +98,10 @@ def test_plan_temporal_refusals_and_accuracy_reward():
     assert _decide(options={**_OPTIONS, "rollplex_len_control": True}).len_control
 
 
-def test_plan_audit_follows_the_backend():
-    assert _decide().audit.every > 0  # None (auto): on, on the hf backend
-    assert _decide(backend="megatron").audit.every == 0
-    with pytest.raises(NotImplementedError, match="rollplex_verify_every=5"):
-        _decide(options={**_OPTIONS, "rollplex_verify_every": 5}, backend="megatron")
+def test_plan_audit_is_on_for_both_backends():
+    assert _decide().audit.every > 0  # None (auto): on
+    assert _decide(backend="megatron").audit.every == _decide().audit.every
+    assert _decide(options={**_OPTIONS, "rollplex_verify_every": 5}, backend="megatron").audit.every == 5
 
 
 def test_plan_memory_on_holds_or_raises_and_auto_follows_the_measurement():

@@ -132,10 +132,9 @@ def test_audit_spec_defaults_and_refusals():
     spec = audit_spec(options, num_generations=8, backend="hf")
     assert (spec.every, spec.rows) == (200, 2) and spec.due(0) and spec.due(400) and not spec.due(1)
     assert audit_spec({**options, "rollplex_verify_rows": 8}, num_generations=8, backend="hf").rows == 8
-    assert audit_spec(options, num_generations=8, backend="megatron").every == 0  # auto: off, logged
+    assert audit_spec(options, num_generations=8, backend="megatron").every == 200  # auto: on, both backends
+    assert audit_spec({**options, "rollplex_verify_every": 5}, num_generations=8, backend="megatron").every == 5
     assert audit_spec({**options, "rollplex_verify_every": 0}, num_generations=8, backend="hf").every == 0
-    with pytest.raises(NotImplementedError, match="rollplex_verify_every=5"):
-        audit_spec({**options, "rollplex_verify_every": 5}, num_generations=8, backend="megatron")
 
 
 def test_audit_names_a_broken_decode_window_prefix(tiny_vl_path, tmp_path, video_dataset, monkeypatch, caplog):

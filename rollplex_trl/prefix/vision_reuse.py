@@ -15,6 +15,7 @@ public argument of transformers' Qwen2.5-VL forward) instead of `pixel_values_vi
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,12 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from rollplex_trl.data.prompt import PreparedPrompt
+
+
+def accepts_encoder_outputs(backbone: Any) -> bool:
+    """Whether the model's forward takes `mm_encoder_outputs` (transformers' Qwen2.5-VL does from 5.2x; the vLLM
+    tier's 5.19 may not): without it the features cannot be handed in, and the tower runs as usual."""
+    return "mm_encoder_outputs" in inspect.signature(backbone.forward).parameters
 
 
 @dataclass(frozen=True)

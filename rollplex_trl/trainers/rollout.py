@@ -146,10 +146,13 @@ class TrainerRollout:
 
     def sampler_audit(self) -> SampledLogps | None:
         """On a training step the exactness audit checks: a recorder of the transformers sampler's own log-probs of
-        the audited rows (rollout/sampled_logps.py), compared with a plain pass by `audit_sampler`."""
+        the audited rows (rollout/sampled_logps.py), compared with a plain pass by `audit_sampler`. The `hf` backend
+        only: on Megatron a pooled rollout decodes on one rank of each TP group, and the audit's reduction needs every
+        rank to check."""
         t = self.trainer
         audit = t.audit
-        if audit is None or not t.model.training or not audit.wants(t.state.global_step, "sampler"):
+        if (audit is None or t.backend.name != "hf" or not t.model.training
+                or not audit.wants(t.state.global_step, "sampler")):
             return None
         return SampledLogps(rows=audit.spec.rows, temperature=t.temperature)
 

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from rollplex_trl.data.prompt import PreparedPrompt
-from rollplex_trl.prefix.vision_reuse import VideoFeatureStore
+from rollplex_trl.prefix.forward import unwrap_model
+from rollplex_trl.prefix.vision_reuse import VideoFeatureStore, accepts_encoder_outputs
 from rollplex_trl.temporal import LengthControl, ShuffledVideo, TemporalBonus, length_bonus, shuffled_prompt
 from rollplex_trl.temporal import temporal_bonus as compute_temporal_bonus
 
@@ -145,7 +146,8 @@ class TemporalRecipe:
         encodes inside its engine; a backend's prefill and TRL's generate do not record), and a video it has no
         features for is encoded as usual: the store changes what runs, never the result."""
         if (self.temporal and self.granularity == "patch" and trainer.model.training
-                and trainer.vllm_rollout is None and trainer.batch.generation_rows is not None):
+                and trainer.vllm_rollout is None and trainer.batch.generation_rows is not None
+                and accepts_encoder_outputs(unwrap_model(trainer.accelerator.unwrap_model(trainer.model)).base_model)):
             trainer.batch.video_store = VideoFeatureStore()
 
     def after_rollout(self, trainer: Any, trl_generate: Callable) -> None:

@@ -59,20 +59,10 @@ class AuditSpec:
 
 
 def audit_spec(options: dict[str, Any], *, num_generations: int, backend: str) -> AuditSpec:
-    """The audit this run does. None (auto): the first step and every AUTO_EVERY on the hf backend; off (logged once)
-    where the audit has no plain pass to compare with (the Megatron backend). An explicit positive value on such a
-    backend is refused."""
+    """The audit this run does. None (auto): the first step and every AUTO_EVERY, on either backend (the plain pass
+    is the backend's own: the transformers model's, or the Megatron model's full rows, `plain_pass`)."""
     every = options["rollplex_verify_every"]
-    if backend != "hf":
-        if every:
-            raise NotImplementedError(f"rollplex_verify_every={every} with rollplex_backend={backend!r}: the audit "
-                                      "recomputes log-probs through the Hugging Face model, which this backend does "
-                                      "not train. Set rollplex_verify_every=0 (or leave it None).")
-        if every is None:
-            logger.info("rollplex_verify_every=None (auto): off on the %s backend (no plain pass to compare with)",
-                        backend)
-        every = 0
-    elif every is None:
+    if every is None:
         every = AUTO_EVERY
     # two rows of one prompt exercise a shared prefix; the plain pass pays the whole prompt (video) per row, so
     # more rows cost more than they check (a whole group of 8 made the audit 2.4% of training, amortised)
@@ -228,7 +218,8 @@ def audit_pass(trainer: Any, model: Any, logps: torch.Tensor, input_ids: torch.T
     if not audit.wants(step, kind):
         return
     plain_model = trainer._trained_model(model) if actor else trainer.accelerator.unwrap_model(model)
-    plain = plain_pass(trainer, plain_model, trainer.batch.scored_rows, input_ids, attention_mask, logits_to_keep)
+    plain = plain_pass(trainer, plain_model, trainer.batch.scored_rows, input_ids, attention_mask, logits_to_keep,
+                       reference=kind == "ref")
     # (activation offload hooks the actor's graphs: its gradient is not audited)
     gradient = actor and trainer.phase_memory is None
     if gradient:  # one plain pass serves both checks: its values for the log-probs, its graph for the gradient
@@ -245,14 +236,22 @@ def audit_pass(trainer: Any, model: Any, logps: torch.Tensor, input_ids: torch.T
 
 
 def plain_pass(trainer: Any, model: Any, rows: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               logits_to_keep: int) -> Callable[[int], torch.Tensor]:
+               logits_to_keep: int, *, reference: bool = False) -> Callable[[int], torch.Tensor]:
     """The plain recomputation of the first n rows' log-probs: full sequences through `model` (TRL's own pass for
-    text; the unshared per-row pass with each row's vision inputs for prepared rows), under the trainer's autocast."""
+    text; the unshared per-row pass with each row's vision inputs for prepared rows), under the trainer's autocast.
+    On the Megatron backend, through its own policy (or reference): the full rows, no shared prefix, no cascade, no
+    prefix built ahead (its `logps_and_entropies` with `share_prefix=False`; a TP collective, run by every rank)."""
     from rollplex_trl import trl_compat
     from rollplex_trl.prefix.batch import prepared_rows_logps
 
     def plain(n: int) -> torch.Tensor:
         ids, mask = input_ids[:n], attention_mask[:n]
+        if trainer.backend.name != "hf":
+            return trainer.backend.logps_and_entropies(
+                model, reference=reference, input_ids=ids, attention_mask=mask, logits_to_keep=logits_to_keep,
+                batch_size=None, temperature=trainer.temperature, compute_entropy=False, compute_aux_loss=False,
+                rows=rows[:n] if rows is not None else None, vision_kwargs={}, autocast=trainer.accelerator.autocast,
+                training=trainer.model.training, share_prefix=False, prompts_per_chunk=1, precomputed=None)[0]
         if rows is not None:
             return prepared_rows_logps(model, rows[:n], ids, mask, logits_to_keep, None, False, False,
                                        trainer.accelerator.autocast)[0]

@@ -271,13 +271,14 @@ def test_data_parallel_2_learns_what_hf_ddp_learns(tiny_vl_path, tmp_path):
     _prefilled_by_the_policy(ranks, windows=len(generation_steps))
 
 
-def _prefilled_by_the_policy(ranks: list[dict], windows: int) -> None:
+def _prefilled_by_the_policy(ranks: list[dict], windows: int, audited_steps: int = 1) -> None:
     """The rollout decoded from the Megatron policy's prefix pass, kept with its graph as the actor's prefix
     (MegatronBackend.rollout_prefill; at t = 2 a collective, on the pooled rollout's peer too): no transformers
     prefill, one graph-carrying prompt forward per generation window (not the prefill and then the window's actor
-    job), and the reference's no-grad job per window."""
+    job), and the reference's no-grad job per window. Plus, per audited step (the default audits step 0), the
+    exactness audit's own graph-carrying shared-prefix pass (its gradient check; its plain passes share nothing)."""
     for result in ranks:
-        assert result["prefix_passes"] == {"transformers": 0, "megatron_graph": windows,
+        assert result["prefix_passes"] == {"transformers": 0, "megatron_graph": windows + audited_steps,
                                            "megatron_no_grad": windows}, result["prefix_passes"]
 
 
@@ -393,3 +394,36 @@ def test_one_process_under_trl_defaults_bf16(tiny_vl_path, tmp_path):
              for key in ("loss", "kl", "grad_norm", "entropy")}
     print("t = 1 bf16, step 1 grad norm", abs(ours[0]["grad_norm"] / reference[0]["grad_norm"] - 1), "step 2:", step2)
     assert all(diff <= 6e-2 for diff in step2.values()), step2
+
+
+def test_tensor_parallel_2_audit_within_tolerance_and_catches_a_wrong_prefix(tiny_vl_path, tmp_path):
+    """The exactness audit on the Megatron backend (t = 2): its plain pass is the Megatron model's own full rows (no
+    shared prefix, no prefix built ahead), every rank checks, the values are reduced over the ranks. Clean: every
+    pass and the actor's gradient within the fp32 tolerances, no warning. With the decode window's prefix values
+    off by 1e-3 on rank 1 only: the reference log-probs exceed the tolerance and the mechanism is named. Under TRL's
+    defaults (bf16, checkpointing, a pooled rollout): within the bf16 tolerances."""
+    from rollplex_trl.trainers.verify import GRAD_TOLERANCE, TOLERANCE
+
+    clean = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "mgaudit", "audit+overlap")
+    audited = [[{k: v for k, v in row.items() if k.startswith("rollplex/verify_")} for row in rank["logs"]]
+               for rank in clean]
+    assert audited[0] == audited[1], "the audit's values are reduced over the ranks"
+    passes = {k for row in clean[0]["logs"] for k in row if k.endswith("_logp_abs")}
+    assert {"rollplex/verify_ref_logp_abs", "rollplex/verify_actor_logp_abs"} <= passes, passes
+    assert all(v <= TOLERANCE["fp32"] for row in clean[0]["logs"] for k, v in row.items() if k.endswith("logp_abs"))
+    min_cos, max_rel = GRAD_TOLERANCE["fp32"]
+    grads = [(row["rollplex/verify_actor_grad_cos"], row["rollplex/verify_actor_grad_rel"])
+             for row in clean[0]["logs"] if "rollplex/verify_actor_grad_cos" in row]
+    assert grads and all(cos >= min_cos and rel <= max_rel for cos, rel in grads), grads
+    assert not clean[0]["warnings"] and not clean[1]["warnings"]
+    # TRL's defaults (bf16 autocast, gradient checkpointing): within the bf16 tolerances
+    bf16 = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "mgauditbf", "audit+bf16")
+    min_cos, max_rel = GRAD_TOLERANCE["bf16"]
+    for row in bf16[0]["logs"]:
+        assert all(v <= TOLERANCE["bf16"] for k, v in row.items() if k.endswith("logp_abs")), row
+        assert row["rollplex/verify_actor_grad_cos"] >= min_cos and row["rollplex/verify_actor_grad_rel"] <= max_rel
+    assert not bf16[0]["warnings"] and not bf16[1]["warnings"]
+    fault = _torchrun(tiny_vl_path, tmp_path, "megatron", 2, "mgauditfault", "audit+overlap+prefixfault")
+    assert fault[0]["logs"][0]["rollplex/verify_ref_logp_abs"] > TOLERANCE["fp32"]
+    named = [w for rank in fault for w in rank["warnings"] if "Re-run without the prefix built ahead" in w]
+    assert named, [rank["warnings"] for rank in fault]

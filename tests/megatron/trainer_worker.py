@@ -17,7 +17,9 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     own copy of the weights, synced from the transformers model), "gloo" (rollplex_shm_all_reduce="off": the TP
     all-reduces over gloo), "allranks" (rollplex_pooled_rollout="off": every TP rank decodes), "copyrows"
     (rollplex_row_parallel_views="off": the row-parallel weights copied after each step, not read in place),
-    "replicated" (rollplex_split_vision="off": every TP rank runs the vision tower on every video).
+    "replicated" (rollplex_split_vision="off": every TP rank runs the vision tower on every video), "audit" (the
+    exactness audit on every step; its values and warnings in the result), "prefixfault" (the decode window's
+    prefix values off by 1e-3 on rank 1, with "overlap" for the window).
     Several join with "+" (e.g. "bf16+views"). The Megatron runs pin rollplex_weight_mapping ("on", or "off" with
     "views"), rollplex_row_parallel_views ("on", or "off" with "copyrows", "views" or "vllm") and, at t > 1,
     rollplex_shm_all_reduce ("on", or "off" with "gloo"), rollplex_pooled_rollout ("on", or "off" with
@@ -54,6 +56,21 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         RollplexVLLMGeneration._make_colocate_engine = lambda self, config, tp_group: StandInEngine(
             self.model, processor=processor, pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id])
     bf16 = "bf16" in flags
+    warnings: list[str] = []
+    if "audit" in flags:
+        import logging
+
+        class Collect(logging.Handler):
+            def emit(self, record):
+                warnings.append(record.getMessage())
+
+        logging.getLogger("rollplex_trl.trainers.verify").addHandler(Collect(level=logging.WARNING))
+    if "prefixfault" in flags and rank == 1:
+        import rollplex_trl.prefix.batch as prefix_batch
+
+        from helpers import broken_take_scoring
+
+        prefix_batch.StepPrefixes.take_scoring = broken_take_scoring()
     output_dir = f"{out}/run-{tag}"
     resume = None
     if mode.startswith("resume:"):
@@ -75,7 +92,7 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
         rollplex_shm_all_reduce="off" if "gloo" in flags or tp == 1 else "on",
         rollplex_pooled_rollout="off" if flags & {"allranks", "overlap", "vllm"} or tp == 1 else "on",
         rollplex_split_vision="off" if "replicated" in flags or tp == 1 or backend != "megatron" else "on",
-        use_vllm=vllm, vllm_mode="colocate",
+        use_vllm=vllm, vllm_mode="colocate", rollplex_verify_every=1 if "audit" in flags else None,
         # the hf backend's suffix with the prompt's K/V concatenated, as the Megatron backend's core attention does:
         # under bf16 the two backends then round the same sums alike (cascade's kernels round differently: bf16 step
         # 2 loss 2% apart instead of 5e-3; cascade itself is tested against the full forward in tests/prefix/)
@@ -114,9 +131,10 @@ def run(checkpoint: str, out: str, backend: str, tp: int, tag: str, mode: str = 
     keys = ("loss", "kl", "grad_norm", "reward", "entropy")
     result = {"world": trainer.accelerator.num_processes,
               "logs": [{k: r.get(k) for k in keys} | {m: v for m, v in r.items() if m.startswith(
-                  ("rollplex/sync", "rollplex/overlap_active", "rollplex/prefix_s", "sampling/sampling_logp"))}
+                  ("rollplex/sync", "rollplex/overlap_active", "rollplex/prefix_s", "sampling/sampling_logp",
+                   "rollplex/verify_"))}
                        for r in trainer.state.log_history if "loss" in r],
-              "steps": [r["step"] for r in trainer.state.log_history if "loss" in r]}
+              "steps": [r["step"] for r in trainer.state.log_history if "loss" in r], "warnings": warnings}
     if trainer.backend.name == "megatron":
         result["rollout"] = _rollout_binding(trainer.backend, model)
         all_reduce = trainer.backend.all_reduce

@@ -154,3 +154,18 @@ def test_trainer_reuse_samples_and_learns_as_without_it(tiny_vl_path, tmp_path, 
     for a, b in zip(logs, plain_logs, strict=True):
         for key in ("loss", "reward", "grad_norm", "rollplex/temporal_shuffled_accuracy"):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
+
+
+def test_reuse_needs_a_forward_that_takes_encoder_outputs(tiny_vl_path):
+    """transformers' Qwen2.5-VL forward takes `mm_encoder_outputs` here; a forward without it (an older release)
+    keeps the store off and the tower runs as before."""
+    from rollplex_trl.prefix.vision_reuse import accepts_encoder_outputs
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_vl_path)
+    assert accepts_encoder_outputs(model.model)
+
+    class Older(torch.nn.Module):
+        def forward(self, input_ids=None, pixel_values_videos=None, video_grid_thw=None):
+            return input_ids
+
+    assert not accepts_encoder_outputs(Older())
