@@ -204,3 +204,18 @@ def broken_take_scoring(scale: float = 1e-3):
         return pre
 
     return broken
+
+
+class RecordingAccuracy:
+    """An accuracy reward that depends on the sampled text, and records what it was asked to score."""
+
+    __name__ = "accuracy"
+
+    def __init__(self) -> None:
+        self.calls: list[list[float]] = []
+
+    def __call__(self, completions, **kwargs):
+        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+        values = [1.0 if len(t) % 3 else 0.0 for t in texts]
+        self.calls.append(values)
+        return values

@@ -29,11 +29,14 @@ def main(checkpoint: str, out: str, mode: str) -> None:
         output_dir=f"{out}/run-{mode}", max_steps=3, per_device_train_batch_size=2, num_generations=4,
         max_completion_length=6, learning_rate=5e-3, logging_steps=1, report_to=[], seed=5, use_cpu=True,
         bf16=False, save_strategy="no", ddp_backend="gloo", rollplex_temporal=temporal,
+        rollplex_temporal_shuffle="patch" if mode.startswith("patch") else "frame",
         rollplex_temporal_alpha=0.0 if mode == "alpha0" else 0.3,
         rollplex_video_min_pixels=4 * 28 * 28, rollplex_video_max_pixels=56 * 84)
     trainer = RollplexGRPOTrainer(model=checkpoint, reward_funcs=[accuracy], args=args,
                                   train_dataset=Dataset.from_list(video_rows(Path(out) / f"media{rank}",
                                                                              lambda i: "Q" * i)))
+    if mode == "patch-plain":  # the patch shuffle without the feature reuse: the vision tower encodes the copies
+        trainer.temporal.before_rollout = lambda trainer: None
     sampled: list[int] = []
     if temporal:
         sample = trainer.temporal.sample

@@ -43,3 +43,14 @@ def test_temporal_with_groups_split_over_processes(tiny_vl_path, tmp_path):
         assert log["reward"] == pytest.approx(sum(a + b for a, b in zip(ordered, bonus, strict=True)) / G, abs=1e-6)
     assert len(rank1["calls"]) == 3
     assert fired, "the bonus never fired: the test would not see a wrong reduction"
+
+
+def test_patch_shuffle_reuse_under_ddp(tiny_vl_path, tmp_path):
+    """The patch shuffle's feature reuse on the process that owns the group (rank 0 here): the same shuffled
+    completions, rewards and updates as the same run without the reuse, on both processes."""
+    reuse = _run(tiny_vl_path, tmp_path, "patch", 29594)
+    plain = _run(tiny_vl_path, tmp_path, "patch-plain", 29595)
+    for a, b in zip(reuse, plain, strict=True):
+        assert a["calls"] == b["calls"] and a["checksum"] == pytest.approx(b["checksum"], rel=1e-9)
+    assert all(r["rollplex/temporal_vision_reused"] == 1.0 for r in reuse[0]["logs"])
+    assert not any("rollplex/temporal_vision_reused" in r for r in plain[0]["logs"])

@@ -15,23 +15,10 @@ from datasets import Dataset
 
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 
+from helpers import RecordingAccuracy
+
 G, B = 4, 8  # completions per prompt; rows per generation batch (two prompts)
 KEYS = ("loss", "reward", "reward_std", "grad_norm", "entropy")
-
-
-class RecordingAccuracy:
-    """An accuracy reward that depends on the sampled text, and records what it was asked to score."""
-
-    __name__ = "accuracy"
-
-    def __init__(self) -> None:
-        self.calls: list[list[float]] = []
-
-    def __call__(self, completions, **kwargs):
-        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-        values = [1.0 if len(t) % 3 else 0.0 for t in texts]
-        self.calls.append(values)
-        return values
 
 
 def _config(tmp_path, name, **overrides):

@@ -18,6 +18,8 @@ from rollplex_trl.prefix.batch import run_prefix
 from rollplex_trl.prefix.vision_reuse import VideoFeatureStore
 from rollplex_trl.temporal import shuffled_prompt
 
+from helpers import RecordingAccuracy
+
 SAMPLING = VideoSamplingConfig(min_pixels=4 * 28 * 28, max_pixels=112 * 224)
 G, B = 4, 8
 
@@ -102,24 +104,12 @@ def test_a_video_without_recorded_features_is_encoded(tiny_vl_path):
         assert torch.equal(a, b)
 
 
-class CountingAccuracy:
-    __name__ = "accuracy"
-
-    def __init__(self) -> None:
-        self.calls: list[list[float]] = []
-
-    def __call__(self, completions, **kwargs):
-        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-        self.calls.append([1.0 if len(t) % 3 else 0.0 for t in texts])
-        return self.calls[-1]
-
-
 @pytest.mark.parametrize("defaults", [False, True], ids=["fp32", "trl-defaults"])
 def test_trainer_reuse_samples_and_learns_as_without_it(tiny_vl_path, tmp_path, video_dataset, defaults):
     extra = dict(bf16=True, gradient_checkpointing=True) if defaults else {}
 
     def run(name, reuse):
-        reward = CountingAccuracy()
+        reward = RecordingAccuracy()
         config = RollplexGRPOConfig(**{
             **dict(output_dir=str(tmp_path / name), max_steps=3, per_device_train_batch_size=B, num_generations=G,
                    max_completion_length=8, learning_rate=1e-2, logging_steps=1, report_to=[], seed=5, use_cpu=True,
