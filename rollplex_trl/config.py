@@ -421,9 +421,9 @@ class RollplexGRPOConfig(GRPOConfig):
         default=None,
         metadata={"help": "Exactness audit (docs/verify.md): every this many steps (and at step 0), recompute the "
                   "first rollplex_verify_rows rows of each log-prob pass Rollplex ran (reference, old, actor) with a "
-                  "plain full forward (on the Megatron backend its own full rows), and the rollout's own log-probs of the "
-                  "sampled tokens and the actor's gradient; log the largest differences as rollplex/verify_*; warn "
-                  "above a tolerance set by the precision. 0: off. None: every 200 steps."},
+                  "plain full forward (on the Megatron backend its own full rows), and the rollout's own log-probs "
+                  "of the sampled tokens and the actor's gradient; log the largest differences as rollplex/verify_*; "
+                  "warn above a tolerance set by the precision. 0: off. None: every 200 steps."},
     )
     rollplex_verify_rows: int | None = _option(
         rule=_Rule("optional_int", "an integer >= 1 or None", lambda v: v is None or v >= 1),

@@ -161,6 +161,29 @@ def test_audit_names_a_broken_cascade_attention(tiny_vl_path, tmp_path, video_da
     assert "rollplex_suffix_attention='concat' turns it off" in caplog.text
 
 
+def test_audit_names_the_cascade_for_a_gradient_only_fault(tiny_vl_path, tmp_path, video_dataset, monkeypatch,
+                                                           caplog):
+    """The cascade attention's gradient scaled by 1.5, its values unchanged: the log-prob checks pass, the gradient
+    check fails, and re-running the gradient with the concat suffix attention names the cascade."""
+    import rollplex_trl.prefix.suffix_attention as suffix_attention
+
+    cascade = suffix_attention.causal_cascade_attention
+
+    def scaled_gradient(*args, **kwargs):
+        out = cascade(*args, **kwargs)
+        return out * 1.5 - out.detach() * 0.5
+
+    monkeypatch.setattr(suffix_attention, "causal_cascade_attention", scaled_gradient)
+    with caplog.at_level(logging.WARNING, logger="rollplex_trl.trainers.verify"):
+        _, logs = _train(tiny_vl_path, video_dataset, tmp_path, "cascade-grad", max_steps=1,
+                         rollplex_suffix_attention="cascade")
+    assert all(logs[0][f"rollplex/verify_{kind}_logp_abs"] <= TOLERANCE["fp32"] for kind in PASSES)
+    assert logs[0]["rollplex/verify_actor_grad_rel"] > GRAD_TOLERANCE["fp32"][1]
+    assert "the actor's gradient through the shared prefix differs" in caplog.text
+    assert "Re-run without the cascade suffix attention, the gradient agrees" in caplog.text
+    assert "rollplex_suffix_attention='concat' turns it off" in caplog.text
+
+
 @pytest.mark.parametrize("defaults", [False, True], ids=["fp32", "trl-defaults"])
 @pytest.mark.parametrize("shared_decode", ["on", "off"])
 def test_transformers_sampler_log_probs_within_tolerance(tiny_vl_path, tmp_path, video_dataset, defaults,

@@ -155,21 +155,12 @@ class ExactnessAudit:
         return None
 
     def check_gradient(self, *, step: int, ours: list[torch.Tensor | None], plain: list[torch.Tensor | None],
-                       mechanisms: list[str], record: Callable[[str, float], None]) -> None:
+                       mechanisms: list[str], record: Callable[[str, float], None],
+                       variants: list[GradientVariant] = ()) -> None:
         """Compare the actor's parameter gradients of the same objective through the shared-prefix path (`ours`) and
-        the plain path, as one flattened vector: cosine similarity and relative norm difference."""
-        dot = norm_ours = norm_plain = 0.0
-        for a, b in zip(ours, plain, strict=True):
-            a = torch.zeros(()) if a is None else a.detach().double()
-            b = torch.zeros(()) if b is None else b.detach().double()
-            dot += float((a * b).sum())
-            norm_ours += float((a * a).sum())
-            norm_plain += float((b * b).sum())
-        if norm_plain == 0.0:  # no gradient (all completions masked): nothing to compare on this process
-            cos, rel = 1.0, 0.0
-        else:
-            cos = dot / max((norm_ours * norm_plain) ** 0.5, 1e-300)
-            rel = abs(norm_ours ** 0.5 - norm_plain ** 0.5) / norm_plain ** 0.5
+        the plain path, as one flattened vector: cosine similarity and relative norm difference. `variants`: the
+        shared-prefix gradient with one mechanism taken out each, tried in turn when they differ, to name it."""
+        cos, rel = gradient_agreement(ours, plain)
         worst_cos, worst_rel = self._worst_over_processes([-cos, rel])  # every process reaches it
         record("rollplex/verify_actor_grad_cos", -worst_cos)
         record("rollplex/verify_actor_grad_rel", worst_rel)
@@ -178,9 +169,20 @@ class ExactnessAudit:
         logger.info("rollplex audit step %d, actor gradient: cosine %.8f (>= %g), relative norm difference %.2e "
                     "(<= %g, %s) %s", step, cos, min_cos, rel, max_rel, self.precision, "ok" if ok else "EXCEEDED")
         if not ok:
+            culprit = None
+            for variant in variants:
+                v_cos, v_rel = gradient_agreement(variant.run(), plain)
+                logger.info("rollplex audit: actor gradient without %s: cosine %.8f, norms %.2e apart",
+                            variant.mechanism, v_cos, v_rel)
+                if v_cos >= min_cos and v_rel <= max_rel:
+                    culprit = (f"Re-run without {variant.mechanism}, the gradient agrees with the plain one (cosine "
+                               f"{v_cos:.6f}, norms {v_rel:.2g} apart): that is the mechanism at fault; "
+                               f"{variant.switch} turns it off")
+                    break
             self._report(f"rollplex exactness audit, step {step}: the actor's gradient through the shared prefix "
                          f"differs from the plain full forward's: cosine {cos:.6f} (at least {min_cos:g}), norms "
-                         f"{rel:.3g} apart (at most {max_rel:g}, {self.precision})", "actor-gradient", mechanisms)
+                         f"{rel:.3g} apart (at most {max_rel:g}, {self.precision})", "actor-gradient", mechanisms,
+                         culprit)
         exceeded = -worst_cos < min_cos or worst_rel > max_rel
         record("rollplex/verify_within_tolerance", float(not exceeded))
         self._stop_if_strict(exceeded, f"the actor's gradient, step {step}")
@@ -203,6 +205,30 @@ class ExactnessAudit:
         if self.spec.strict or kind not in self._warned:
             self._warned.add(kind)
             logger.warning(message)
+
+
+@dataclass(frozen=True)
+class GradientVariant:
+    """The audited gradient recomputed with one mechanism taken out (see `Variant`)."""
+
+    mechanism: str
+    switch: str
+    run: Callable[[], list[torch.Tensor | None]]
+
+
+def gradient_agreement(ours: list[torch.Tensor | None], plain: list[torch.Tensor | None]) -> tuple[float, float]:
+    """(cosine similarity, relative norm difference) of two parameter gradients as flattened vectors (fp64)."""
+    dot = norm_ours = norm_plain = 0.0
+    for a, b in zip(ours, plain, strict=True):
+        a = torch.zeros(()) if a is None else a.detach().double()
+        b = torch.zeros(()) if b is None else b.detach().double()
+        dot += float((a * b).sum())
+        norm_ours += float((a * a).sum())
+        norm_plain += float((b * b).sum())
+    if norm_plain == 0.0:  # no gradient (all completions masked): nothing to compare on this process
+        return 1.0, 0.0
+    cos = dot / max((norm_ours * norm_plain) ** 0.5, 1e-300)
+    return cos, abs(norm_ours ** 0.5 - norm_plain ** 0.5) / norm_plain ** 0.5
 
 
 def audit_pass(trainer: Any, model: Any, logps: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -348,17 +374,37 @@ def audit_gradient(trainer: Any, audit: ExactnessAudit, model: Any, plain: torch
     params = [p for p in model.parameters() if p.requires_grad]
     mask = attention_mask[:rows, -logits_to_keep:].to(torch.float32)
     scored = trainer.batch.scored_rows
+    backend = trainer.backend
+
+    def shared(suffix: str | None = None) -> list[torch.Tensor | None]:
+        """The gradient through a fresh shared-prefix pass (`suffix`: with that suffix attention instead)."""
+        previous = getattr(backend, "suffix_attention_mode", None)
+        if suffix is not None:
+            backend.suffix_attention_mode = suffix
+        try:
+            with torch.enable_grad():
+                result = backend.logps_and_entropies(
+                    model, reference=False, input_ids=input_ids[:rows], attention_mask=attention_mask[:rows],
+                    logits_to_keep=logits_to_keep, batch_size=None, temperature=trainer.temperature,
+                    compute_entropy=False, compute_aux_loss=False, rows=scored[:rows] if scored is not None else None,
+                    vision_kwargs={}, autocast=trainer.accelerator.autocast, training=True, share_prefix=True,
+                    prompts_per_chunk=trainer.rollplex["rollplex_prefix_chunk_prompts"], precomputed=None)
+                return list(torch.autograd.grad((result[0].float() * mask).sum(), params, allow_unused=True))
+        finally:
+            if suffix is not None:
+                backend.suffix_attention_mode = previous
+
+    ours = shared()
     with torch.enable_grad():
-        result = trainer.backend.logps_and_entropies(
-            model, reference=False, input_ids=input_ids[:rows], attention_mask=attention_mask[:rows],
-            logits_to_keep=logits_to_keep, batch_size=None, temperature=trainer.temperature, compute_entropy=False,
-            compute_aux_loss=False, rows=scored[:rows] if scored is not None else None, vision_kwargs={},
-            autocast=trainer.accelerator.autocast, training=True, share_prefix=True,
-            prompts_per_chunk=trainer.rollplex["rollplex_prefix_chunk_prompts"], precomputed=None)
-        ours = torch.autograd.grad((result[0].float() * mask).sum(), params, allow_unused=True)
         reference = torch.autograd.grad((plain[:rows].float() * mask).sum(), params, allow_unused=True)
-    audit.check_gradient(step=step, ours=list(ours), plain=list(reference), mechanisms=mechanisms,
-                         record=trainer._record)
+    variants = []
+    mode = getattr(backend, "suffix_attention_mode", None)
+    if mode in ("cascade", "concat"):
+        other = "concat" if mode == "cascade" else "cascade"
+        variants.append(GradientVariant(f"the {mode} suffix attention", f"rollplex_suffix_attention='{other}'",
+                                        lambda: shared(other)))
+    audit.check_gradient(step=step, ours=ours, plain=list(reference), mechanisms=mechanisms,
+                         record=trainer._record, variants=variants)
 
 
 def build_audit(trainer: Any) -> ExactnessAudit | None:
