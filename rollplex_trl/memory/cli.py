@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from rollplex_trl.data.video import VideoSamplingConfig
+from rollplex_trl.memory.host import HostMediaPlan, SourceClip, format_host_plan, plan_host_media
 from rollplex_trl.memory.model_dims import resolve_model
 from rollplex_trl.memory.planner import (
     CLASSES,
@@ -53,8 +55,37 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--prefix-caching", action="store_true", help="the G samples of a prompt share its KV blocks")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw the three stacks (needs matplotlib)")
+    video = p.add_argument_group("host memory of the video data (printed when --video-source is given)")
+    video.add_argument("--video-source", metavar="WxH", help="a typical source video's resolution, e.g. 1280x720")
+    video.add_argument("--video-source-fps", type=float, default=30.0, help="its frame rate")
+    video.add_argument("--video-seconds", type=float, default=60.0, help="its length in seconds")
+    sampling = VideoSamplingConfig()
+    video.add_argument("--video-fps", type=float, default=sampling.fps, help="rollplex_video_fps")
+    video.add_argument("--video-max-frames", type=int, default=sampling.max_frames, help="rollplex_video_max_frames")
+    video.add_argument("--video-min-pixels", type=int, default=sampling.min_pixels, help="rollplex_video_min_pixels")
+    video.add_argument("--video-max-pixels", type=int, default=sampling.max_pixels, help="rollplex_video_max_pixels")
+    video.add_argument("--media-cache", type=int, default=64, help="rollplex_media_cache_size (rows)")
+    video.add_argument("--decode-workers", type=int, default=1, help="clips decoded at once per training process")
+    video.add_argument("--vllm", action="store_true", help="vLLM rollout: prepared rows also keep the frames")
     p.set_defaults(func=run)
     return p
+
+
+def _host_plan(args: argparse.Namespace, wl: Workload) -> tuple[HostMediaPlan, SourceClip] | None:
+    """The host-memory plan of the video settings, or None without --video-source."""
+    if not args.video_source:
+        return None
+    try:
+        width, height = (int(x) for x in args.video_source.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--video-source {args.video_source!r}: expected WIDTHxHEIGHT, e.g. 1280x720") from None
+    clip = SourceClip(height=height, width=width, fps=args.video_source_fps, seconds=args.video_seconds)
+    sampling = VideoSamplingConfig(fps=args.video_fps, max_frames=args.video_max_frames,
+                                   min_pixels=args.video_min_pixels, max_pixels=args.video_max_pixels)
+    data_parallel = max(1, wl.num_gpus // wl.train_tp)  # the training processes that each hold a share of the batch
+    plan = plan_host_media(clip, sampling, cache_rows=args.media_cache, workers=args.decode_workers,
+                           batch_rows=-(-wl.batch // data_parallel), keep_frames=args.vllm)
+    return plan, clip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
                       num_generations=args.num_generations, prompt_len=args.prompt_len,
                       completion_len=args.completion_len, device_mem_gib=args.device_mem_gib,
                       micro_batch=args.micro_batch)
-    except ValueError as exc:
+        host = _host_plan(args, wl)
+    except ValueError as exc:  # (a RollplexDataError from the video settings is a ValueError too)
         print(f"plan-memory: {exc}", file=sys.stderr)
         return 2
     a = Assumptions(vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
@@ -78,7 +110,16 @@ def run(args: argparse.Namespace) -> int:
         path = plot_plans(report, args.plot)
         if not args.json:
             print(f"plot written to {path}")
-    print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
+    if args.json:
+        out = report.to_json()
+        if host is not None:
+            out["host"] = {"frames": host[0].frames, "height": host[0].height, "width": host[0].width,
+                           **{name: nbytes for name, nbytes in host[0].rows()}}
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_report(report))
+        if host is not None:
+            print("\n" + format_host_plan(*host))
     return 0
 
 
