@@ -3,7 +3,7 @@
 - `rollplex-trl demo`: the main job (`rollplex_trl.demo`, also `examples/demo.py`, docs/main-job.md). Builds a
   local Qwen2.5-VL checkpoint and the synthetic left_right video task (real MP4 files, train and held-out), runs an
   SFT cold start and GRPO with `RollplexGRPOTrainer`, and prints the held-out accuracy of each stage.
-- `rollplex-trl build-checkpoint`: writes a local checkpoint (tiny/demo/small Qwen2.5-VL or Qwen2).
+- `rollplex-trl build-checkpoint`: writes a local checkpoint (tiny/demo/small Qwen2.5-VL, Qwen2 or Qwen3-VL).
 - `rollplex-trl make-synthetic`: writes the synthetic video task in Video-R1 format.
 - `rollplex-trl ask --checkpoint DIR --video FILE "question"`: a trained checkpoint's answer, frames sampled as in
   its training (recorded in the checkpoint's config).
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ckpt = sub.add_parser("build-checkpoint", help="write a local checkpoint")
     ckpt.add_argument("--output-dir", required=True)
-    ckpt.add_argument("--kind", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen2"])
+    ckpt.add_argument("--kind", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen2", "qwen3_vl"])
     ckpt.add_argument("--preset", default="tiny", choices=["tiny", "demo", "small", "3b"])
     ckpt.add_argument("--seed", type=int, default=0)
     ckpt.set_defaults(func=_build_checkpoint)

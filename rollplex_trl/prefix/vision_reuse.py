@@ -10,7 +10,9 @@ The prefill asks for features through `VideoFeatures.resolve`, called by `prefix
 (inside its grad mode and checkpointing): videos the store can derive are permuted copies of recorded features;
 the others go through the model's own `get_video_features` (the call its forward makes on the same pixels), and
 are recorded (detached) for copies made later in the step. The model then gets them as `mm_encoder_outputs` (a
-public argument of transformers' Qwen2.5-VL forward) instead of `pixel_values_videos`.
+public argument of transformers' Qwen2.5-VL forward) instead of `pixel_values_videos`. A model whose tower also
+returns per-block features for the LLM's first layers (Qwen3-VL's DeepStack, `deepstack_features`) gets those
+recorded and permuted the same way (its tower, too, encodes each temporal patch on its own).
 """
 
 from __future__ import annotations
@@ -42,31 +44,48 @@ class DerivedVideo:
     permutation: torch.Tensor
 
 
+@dataclass(frozen=True)
+class VideoEncoding:
+    """One video's tower outputs: the merged features the LLM's video tokens get, and, where the model has them,
+    one feature map per DeepStack level (the same tokens)."""
+
+    pooled: torch.Tensor
+    deepstack: tuple[torch.Tensor, ...] = ()
+
+    def detach(self) -> VideoEncoding:
+        return VideoEncoding(self.pooled.detach(), tuple(t.detach() for t in self.deepstack))
+
+    def permuted(self, permutation: torch.Tensor, num_patches: int) -> VideoEncoding:
+        """The encoding of the clip whose temporal patch i is this clip's patch `permutation[i]`."""
+        def permute(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(num_patches, -1, t.size(-1))[permutation.to(t.device)].reshape(t.shape)
+
+        return VideoEncoding(permute(self.pooled), tuple(permute(t) for t in self.deepstack))
+
+
 @dataclass
 class VideoFeatureStore:
     """One generation batch's recorded video features (by prompt key and video index) and the copies derived from
     them. Lives on the trainer's `BatchContext`; dropped with the batch."""
 
-    features: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    features: dict[tuple[int, int], VideoEncoding] = field(default_factory=dict)
     derived: dict[tuple[int, int], DerivedVideo] = field(default_factory=dict)
     reused: int = 0  # videos whose features came from the store
     encoded: int = 0  # videos the tower encoded while the store was on
+    output_type: type | None = None  # the class of the model's `get_video_features` output
 
     def derive(self, copy: PreparedPrompt, source: PreparedPrompt, permutations: Sequence[torch.Tensor]) -> None:
         """`copy`'s videos are `source`'s with their temporal patches permuted by `permutations` (one per video)."""
         for v, perm in enumerate(permutations):
             self.derived[(copy.prompt_key, v)] = DerivedVideo(source.prompt_key, v, perm)
 
-    def lookup(self, row: PreparedPrompt, video_index: int, num_patches: int) -> torch.Tensor | None:
-        """The features of the row's video, derived from recorded ones, or None (not derived, or not recorded)."""
+    def lookup(self, row: PreparedPrompt, video_index: int, num_patches: int) -> VideoEncoding | None:
+        """The encoding of the row's video, derived from a recorded one, or None (not derived, or not recorded)."""
         derived = self.derived.get((row.prompt_key, video_index))
         if derived is None:
             return None
         source = self.features.get((derived.source_key, derived.video_index))
-        if source is None:
-            return None
-        blocks = source.reshape(num_patches, -1, source.size(-1))
-        return blocks[derived.permutation.to(source.device)].reshape(source.shape)
+        return None if source is None else source.permuted(derived.permutation, num_patches)
 
     def for_rows(self, rows: Sequence[PreparedPrompt]) -> VideoFeatures:
         return VideoFeatures(self, list(rows))
@@ -89,17 +108,23 @@ class VideoFeatures:
             raise ValueError(f"internal error: {len(videos)} videos in the rows, {video_grid_thw.size(0)} grids")
         grid = video_grid_thw.tolist()
         pixels = pixel_values_videos.split([t * h * w for t, h, w in grid])
-        features: list[torch.Tensor | None] = [self.store.lookup(row, v, grid[i][0])
-                                               for i, (row, v) in enumerate(videos)]
-        todo = [i for i, f in enumerate(features) if f is None]
+        encodings: list[VideoEncoding | None] = [self.store.lookup(row, v, grid[i][0])
+                                                 for i, (row, v) in enumerate(videos)]
+        todo = [i for i, e in enumerate(encodings) if e is None]
         if todo:
-            encoded = backbone.get_video_features(torch.cat([pixels[i] for i in todo]), video_grid_thw[todo],
-                                                  return_dict=True).pooler_output
-            for i, f in zip(todo, encoded, strict=True):
-                features[i] = f
+            out = backbone.get_video_features(torch.cat([pixels[i] for i in todo]), video_grid_thw[todo],
+                                              return_dict=True)
+            self.store.output_type = type(out)
+            levels = getattr(out, "deepstack_features", None) or []
+            for j, i in enumerate(todo):
+                encodings[i] = VideoEncoding(out.pooler_output[j], tuple(level[j] for level in levels))
                 row, v = videos[i]
                 if (row.prompt_key, v) not in self.store.derived:
-                    self.store.features[(row.prompt_key, v)] = f.detach()
+                    self.store.features[(row.prompt_key, v)] = encodings[i].detach()
         self.store.reused += len(videos) - len(todo)
         self.store.encoded += len(todo)
-        return {"video": BaseModelOutputWithPooling(pooler_output=tuple(features))}
+        fields: dict[str, Any] = {"pooler_output": tuple(e.pooled for e in encodings)}
+        if encodings and encodings[0].deepstack:
+            fields["deepstack_features"] = [tuple(e.deepstack[k] for e in encodings)
+                                            for k in range(len(encodings[0].deepstack))]
+        return {"video": (self.store.output_type or BaseModelOutputWithPooling)(**fields)}

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 # Bump when the builders change in a way that changes what they write: cached checkpoints are keyed by it.
 BUILDER_VERSION = 3
 
-ModelKind = Literal["qwen2_5_vl", "qwen2"]
+ModelKind = Literal["qwen2_5_vl", "qwen2", "qwen3_vl"]
 
 # Qwen's special tokens. Their order fixes their ids (they come first in the vocabulary).
 ENDOFTEXT = "<|endoftext|>"
@@ -284,7 +284,58 @@ def _build_qwen2(out_dir: Path, preset: Preset, seed: int) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-_BUILDERS = {"qwen2_5_vl": _build_qwen2_5_vl, "qwen2": _build_qwen2}
+def _build_qwen3_vl(out_dir: Path, preset: Preset, seed: int) -> None:
+    """Qwen3-VL (transformers' `qwen3_vl`) with the preset's sizes and Qwen3-VL's own layout: 16-pixel patches (32
+    per merged token), interleaved M-RoPE, DeepStack (the vision tower's features of every block also added to the
+    LLM's first layers; at least 3 LLM layers so that every DeepStack level feeds a layer with a gradient). The
+    DeepStack mergers' weights are scaled up 10x: at random init their contribution is too small for a test to see
+    a mistake in it. Qwen3-VL renders a video in the chat template as Qwen2.5-VL does; its processor adds a
+    timestamp before each temporal patch."""
+    from transformers import GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    tokenizer = build_tokenizer(preset.text.vocab_size)
+    text_kwargs = _text_config_kwargs(preset.text, tokenizer, with_mrope=False)
+    text_kwargs["num_hidden_layers"] = max(3, preset.text.num_hidden_layers)
+    text_kwargs["head_dim"] = preset.text.head_dim
+    text_kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": 5_000_000.0,
+                                      "mrope_section": list(preset.text.mrope_section), "mrope_interleaved": True}
+    v = preset.vision
+    patch, ids = 16, {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = Qwen3VLConfig(
+        text_config=text_kwargs,
+        vision_config=dict(depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+                           num_heads=v.num_heads, out_hidden_size=preset.text.hidden_size, patch_size=patch,
+                           spatial_merge_size=v.spatial_merge_size, temporal_patch_size=v.temporal_patch_size,
+                           num_position_embeddings=64, deepstack_visual_indexes=list(range(min(v.depth, 2)))),
+        image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START],
+        vision_end_token_id=ids[VISION_END], tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).to(getattr(torch, preset.dtype))
+    with torch.no_grad():
+        for merger in model.model.visual.deepstack_merger_list:
+            for weight in merger.parameters():
+                if weight.dim() > 1:
+                    weight.mul_(10.0)
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids[ENDOFTEXT], eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT],
+    )
+    model.save_pretrained(out_dir)
+    unit = (patch * v.spatial_merge_size) ** 2  # pixels per merged token
+    pixels = dict(patch_size=patch, merge_size=v.spatial_merge_size, temporal_patch_size=v.temporal_patch_size)
+    processor = Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**pixels, size={"shortest_edge": 4 * unit, "longest_edge": 64 * unit}),
+        tokenizer=tokenizer,
+        # Qwen3-VL's video processor bounds the whole clip (frames x height x width), not each frame
+        video_processor=Qwen3VLVideoProcessor(**pixels, size={"shortest_edge": 4 * unit, "longest_edge": 512 * unit}),
+        chat_template=QWEN2_5_VL_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out_dir)
+
+
+_BUILDERS = {"qwen2_5_vl": _build_qwen2_5_vl, "qwen2": _build_qwen2, "qwen3_vl": _build_qwen3_vl}
 
 
 def build_checkpoint(out_dir: str | os.PathLike, kind: ModelKind = "qwen2_5_vl", preset: str = "tiny",
