@@ -31,6 +31,7 @@ import torch
 from rollplex_trl.data.errors import RollplexDataError, SampleLabel
 from rollplex_trl.data.prompt import content_key, prepare_prompt
 from rollplex_trl.data.video import SampledVideo, VideoSamplingConfig, frames_to_video, load_video, probe_video
+from rollplex_trl.models.families import frame_factor
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +215,9 @@ class MediaPreparer:
 
     def __init__(self, processor, options: MediaOptions) -> None:
         self.processor = processor
+        factor = frame_factor(processor)  # frames at the multiple the model patches (28 Qwen2.5-VL, 32 Qwen3-VL)
+        if factor is not None and factor != options.sampling.image_factor:
+            options = replace(options, sampling=replace(options.sampling, image_factor=factor))
         self.options = options
 
     def prepare_row(self, row: dict, sample_id: str) -> dict:

@@ -21,6 +21,7 @@ from trl import prepare_multimodal_messages
 
 from rollplex_trl.data.errors import RollplexDataError
 from rollplex_trl.data.video import SampledVideo
+from rollplex_trl.models.families import video_resize_kwargs
 
 # mm_token_type_ids values used by Qwen2.5-VL's get_rope_index.
 TEXT_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN = 0, 1, 2
@@ -162,7 +163,7 @@ def prepare_prompt(
             "do_sample_frames": False,
         }
         if video_pixel_bounds is not None:
-            videos_kwargs["size"] = {"shortest_edge": video_pixel_bounds[0], "longest_edge": video_pixel_bounds[1]}
+            videos_kwargs.update(video_resize_kwargs(processor, video_pixel_bounds))
         call["videos_kwargs"] = videos_kwargs
     try:
         out = processor(**call)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rollplex_trl.model_presets import PRESETS, preset_config  # noqa: F401 (PRESETS: re-exported)
+from rollplex_trl.models.families import megatron_refusal
 from rollplex_trl.sharding.layouts import (
     Concat,
     GroupInterleave,
@@ -261,6 +262,9 @@ def model_spec_from_config(config: PretrainedConfig, name: str | None = None) ->
     import torch
     from transformers import AutoModelForCausalLM, Qwen2_5_VLForConditionalGeneration
 
+    refusal = megatron_refusal(config)  # the plan is Megatron's layouts against vLLM's: families it builds only
+    if refusal is not None:
+        raise LayoutError(refusal)
     is_vl = getattr(config, "model_type", "") == "qwen2_5_vl"
     with torch.device("meta"):
         model = (Qwen2_5_VLForConditionalGeneration(config) if is_vl

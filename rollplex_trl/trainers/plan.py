@@ -27,6 +27,7 @@ from rollplex_trl.data.prepared import (
     first_video_rows,
     has_video_column,
 )
+from rollplex_trl.models.families import SHARED_PREFIX_MODEL_TYPES
 from rollplex_trl.notices import notice
 from rollplex_trl.prefix.suffix_attention import MODES as SUFFIX_MODES
 from rollplex_trl.trainers.media import media_options
@@ -34,7 +35,7 @@ from rollplex_trl.trainers.memory import KeptResident
 from rollplex_trl.trainers.verify import AuditSpec, audit_spec
 
 # Decoders whose prefix/suffix split is implemented and tested (full attention, RoPE or M-RoPE).
-PREFIX_MODEL_TYPES = ("qwen2", "qwen2_5_vl", "llama")
+PREFIX_MODEL_TYPES = SHARED_PREFIX_MODEL_TYPES  # (models/families.py)
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ writes between temporal patches, its interleaved M-RoPE and its 16-pixel patches
 
 Each is compared with Qwen3-VL's own full forward: the per-token log-probs and entropies (fp32, and bf16 autocast),
 the gradients of every parameter (vision tower and DeepStack mergers included), the shared-prefill generation
-against `generate`, and the patch-shuffle feature reuse with the DeepStack features permuted too. The trainer does
-not run Qwen3-VL yet (trainers/plan.py keeps the shared prefix off for it; issue 36).
+against `generate`, and the patch-shuffle feature reuse with the DeepStack features permuted too. The trainer on
+Qwen3-VL: tests/test_qwen3_vl_trainer.py.
 """
 
 import numpy as np

@@ -22,6 +22,7 @@ from rollplex_trl.backends.megatron import weights
 from rollplex_trl.backends.megatron.logprobs import vocab_parallel_logps
 from rollplex_trl.backends.megatron.parallel import ParallelGroups
 from rollplex_trl.backends.megatron.vision_split import VisionSplit, split_vision_features
+from rollplex_trl.models.families import megatron_refusal
 
 
 def _check_splits(text, t: int, where: str) -> None:
@@ -72,6 +73,9 @@ class MegatronPolicy(nn.Module):
 
     def __init__(self, hf_model: nn.Module, groups: ParallelGroups):
         super().__init__()
+        refusal = megatron_refusal(hf_model.config)
+        if refusal is not None:
+            raise NotImplementedError(refusal)
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
