@@ -331,29 +331,38 @@ def _completion_width(logps: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([logps, logps.new_zeros(logps.size(0), width - logps.size(1))], dim=1)
 
 
+def _fresh_shared_pass(trainer: Any, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       logits_to_keep: int, rows: int, *, reference: bool, training: bool,
+                       suffix: str | None) -> torch.Tensor:
+    """The first `rows` rows' log-probs through a shared-prefix pass built now (no prefix computed ahead of it),
+    with `suffix` attention instead of the backend's own for this one call when given."""
+    backend = trainer.backend
+    scored = trainer.batch.scored_rows
+    previous = getattr(backend, "suffix_attention_mode", None)
+    if suffix is not None:
+        backend.suffix_attention_mode = suffix
+    try:
+        return backend.logps_and_entropies(
+            model, reference=reference, input_ids=input_ids[:rows], attention_mask=attention_mask[:rows],
+            logits_to_keep=logits_to_keep, batch_size=None, temperature=trainer.temperature,
+            compute_entropy=False, compute_aux_loss=False, rows=scored[:rows] if scored is not None else None,
+            vision_kwargs={}, autocast=trainer.accelerator.autocast, training=training, share_prefix=True,
+            prompts_per_chunk=trainer.rollplex["rollplex_prefix_chunk_prompts"], precomputed=None)[0]
+    finally:
+        if suffix is not None:
+            backend.suffix_attention_mode = previous
+
+
 def variants(trainer: Any, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
              *, reference: bool) -> list[Variant]:
     """The audited pass with one mechanism taken out each: a fresh shared-prefix pass instead of the prefix built
     ahead of it (in the decode window, or the rollout's prefill kept for the actor window), then the same with the
     other suffix attention (cascade <-> concat)."""
     backend = trainer.backend
-    scored = trainer.batch.scored_rows
 
     def fresh(rows: int, suffix: str | None = None) -> torch.Tensor:
-        previous = getattr(backend, "suffix_attention_mode", None)
-        if suffix is not None:
-            backend.suffix_attention_mode = suffix
-        try:
-            return backend.logps_and_entropies(
-                model, reference=reference, input_ids=input_ids[:rows], attention_mask=attention_mask[:rows],
-                logits_to_keep=logits_to_keep, batch_size=None, temperature=trainer.temperature,
-                compute_entropy=False, compute_aux_loss=False, rows=scored[:rows] if scored is not None else None,
-                vision_kwargs={}, autocast=trainer.accelerator.autocast, training=trainer.model.training,
-                share_prefix=True, prompts_per_chunk=trainer.rollplex["rollplex_prefix_chunk_prompts"],
-                precomputed=None)[0]
-        finally:
-            if suffix is not None:
-                backend.suffix_attention_mode = previous
+        return _fresh_shared_pass(trainer, model, input_ids, attention_mask, logits_to_keep, rows,
+                                  reference=reference, training=trainer.model.training, suffix=suffix)
     out = [Variant("the prefix built ahead of this pass (decode window / kept prefill)", "rollplex_overlap='off'",
                    fresh)]
     mode = getattr(backend, "suffix_attention_mode", None)
@@ -373,26 +382,14 @@ def audit_gradient(trainer: Any, audit: ExactnessAudit, model: Any, plain: torch
     rows = min(audit.spec.rows, input_ids.size(0))
     params = [p for p in model.parameters() if p.requires_grad]
     mask = attention_mask[:rows, -logits_to_keep:].to(torch.float32)
-    scored = trainer.batch.scored_rows
     backend = trainer.backend
 
     def shared(suffix: str | None = None) -> list[torch.Tensor | None]:
         """The gradient through a fresh shared-prefix pass (`suffix`: with that suffix attention instead)."""
-        previous = getattr(backend, "suffix_attention_mode", None)
-        if suffix is not None:
-            backend.suffix_attention_mode = suffix
-        try:
-            with torch.enable_grad():
-                result = backend.logps_and_entropies(
-                    model, reference=False, input_ids=input_ids[:rows], attention_mask=attention_mask[:rows],
-                    logits_to_keep=logits_to_keep, batch_size=None, temperature=trainer.temperature,
-                    compute_entropy=False, compute_aux_loss=False, rows=scored[:rows] if scored is not None else None,
-                    vision_kwargs={}, autocast=trainer.accelerator.autocast, training=True, share_prefix=True,
-                    prompts_per_chunk=trainer.rollplex["rollplex_prefix_chunk_prompts"], precomputed=None)
-                return list(torch.autograd.grad((result[0].float() * mask).sum(), params, allow_unused=True))
-        finally:
-            if suffix is not None:
-                backend.suffix_attention_mode = previous
+        with torch.enable_grad():
+            logps = _fresh_shared_pass(trainer, model, input_ids, attention_mask, logits_to_keep, rows,
+                                       reference=False, training=True, suffix=suffix)
+            return list(torch.autograd.grad((logps.float() * mask).sum(), params, allow_unused=True))
 
     ours = shared()
     with torch.enable_grad():
