@@ -3,7 +3,8 @@
 - `rollplex-trl demo`: the main job (`rollplex_trl.demo`, also `examples/demo.py`, docs/main-job.md). Builds a
   local Qwen2.5-VL checkpoint and the synthetic left_right video task (real MP4 files, train and held-out), runs an
   SFT cold start and GRPO with `RollplexGRPOTrainer`, and prints the held-out accuracy of each stage.
-- `rollplex-trl build-checkpoint`: writes a local checkpoint (tiny/demo/small Qwen2.5-VL, Qwen2 or Qwen3-VL).
+- `rollplex-trl build-checkpoint`: writes a local checkpoint (tiny/demo/small; `--family qwen2.5-vl|qwen3-vl`, or
+  the text model `--kind qwen2`).
 - `rollplex-trl make-synthetic`: writes the synthetic video task in Video-R1 format.
 - `rollplex-trl ask --checkpoint DIR --video FILE "question"`: a trained checkpoint's answer, frames sampled as in
   its training (recorded in the checkpoint's config).
@@ -34,7 +35,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _build_checkpoint(args: argparse.Namespace) -> int:
     from rollplex_trl.testing.checkpoints import build_checkpoint
 
-    path = build_checkpoint(args.output_dir, kind=args.kind, preset=args.preset, seed=args.seed)
+    path = build_checkpoint(args.output_dir, kind=args.family or args.kind, preset=args.preset, seed=args.seed)
     print(path)
     return 0
 
@@ -102,7 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     ckpt = sub.add_parser("build-checkpoint", help="write a local checkpoint")
     ckpt.add_argument("--output-dir", required=True)
-    ckpt.add_argument("--kind", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen2", "qwen3_vl"])
+    from rollplex_trl.models.families import FAMILIES
+
+    kinds = ckpt.add_mutually_exclusive_group()
+    kinds.add_argument("--family", choices=list(FAMILIES), help="a vision-language family (models/families.py)")
+    kinds.add_argument("--kind", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen2", "qwen3_vl"],
+                       help="a model type: a family's, or 'qwen2' (text)")
     ckpt.add_argument("--preset", default="tiny", choices=["tiny", "demo", "small", "3b"])
     ckpt.add_argument("--seed", type=int, default=0)
     ckpt.set_defaults(func=_build_checkpoint)

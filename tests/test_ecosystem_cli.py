@@ -91,6 +91,27 @@ def test_video_r1_recipe_through_the_launcher(tiny_vl_path, tmp_path):
     assert (out / "rollplex_timeline.png").exists()  # the recipe sets rollplex_timeline: true
 
 
+def test_qwen3_vl_video_recipe_trains_end_to_end(checkpoint_cache, tmp_path):
+    """The Qwen3-VL recipe as written (its 2 steps, G 4, T-GRPO at patch granularity) on the tiny local Qwen3-VL and
+    the synthetic task at 64 px, as its header's prepare commands make them: it trains, shares the prefix, reuses the
+    vision features for the shuffled copies, audits step 0 within tolerance and saves the model."""
+    from rollplex_trl.testing.checkpoints import get_checkpoint
+
+    model = get_checkpoint("qwen3-vl", "tiny", cache_dir=checkpoint_cache)
+    annotations = write_synthetic_video_dataset(
+        tmp_path / "synthetic64", SyntheticVideoConfig(num_samples=4, num_frames=8, height=64, width=64))
+    out = tmp_path / "qwen3_vl"
+    trainer = grpo_script.run(["--config", str(RECIPES / "video_r1_qwen3_vl.yaml"), "--model_name_or_path",
+                               str(model), "--video_r1_annotations", str(annotations), "--output_dir", str(out)])
+    assert trainer.model.config.model_type == "qwen3_vl" and trainer.state.global_step == 2
+    assert len(_finite_losses(trainer)) == 2
+    logged = [r for r in trainer.state.log_history if "loss" in r]
+    assert all(r["rollplex/prefix_rows_per_prompt"] > 1 for r in logged)
+    assert any(r.get("rollplex/temporal_vision_reused") == 1.0 for r in logged)
+    assert [r["rollplex/verify_within_tolerance"] for r in logged if "rollplex/verify_within_tolerance" in r] == [1.0]
+    assert (out / "model.safetensors").exists()
+
+
 @pytest.mark.slow
 def test_megatron_recipe_on_two_processes(tiny_vl_path, tmp_path):
     """`rollplex-trl grpo --config video_r1_megatron_tp2.yaml --accelerate_config multi_cpu.yaml`: the Megatron

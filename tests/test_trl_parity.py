@@ -1,57 +1,18 @@
-"""On text and image prompts RollplexGRPOTrainer must train exactly like trl.GRPOTrainer (same seed, step for step)."""
+"""On text prompts RollplexGRPOTrainer must train exactly like trl.GRPOTrainer (same seed, step for step); image
+prompts, per model family: tests/models/test_family_contract.py."""
 
-import numpy as np
 import pytest
 from datasets import Dataset
-from PIL import Image
 from trl import GRPOConfig, GRPOTrainer
 
 from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 
-from helpers import record_generations
-
-KEYS = ("loss", "reward", "kl", "grad_norm", "entropy", "completions/mean_length")
-
-
-def length_reward(completions, **kwargs):
-    """A reward that varies between completions, so advantages and gradients are non-zero."""
-    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-    return [float(len(t) % 7) for t in texts]
-
-
-def _config(cls, tmp_path, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, num_generations=2,
-        max_completion_length=8, learning_rate=1e-2, beta=0.1, logging_steps=1, report_to=[], seed=7,
-        use_cpu=True, bf16=False, save_strategy="no", gradient_checkpointing=False,
-    )
-    kwargs.update(overrides)
-    return cls(**kwargs)
-
-
-def _train(trainer_cls, config_cls, model_path, dataset, tmp_path, completions=None, reward=length_reward,
-           **overrides):
-    trainer = trainer_cls(model=str(model_path), reward_funcs=reward, args=_config(config_cls, tmp_path,
-                          **overrides), train_dataset=dataset)
-    if completions is not None:  # the sampled completion ids of every generation batch
-        record_generations(trainer, "completion_ids", completions)
-    trainer.train()
-    if isinstance(trainer, RollplexGRPOTrainer):  # parity is only news if the shared paths actually ran
-        assert trainer.plan.share_scoring and trainer.plan.share_actor
-        assert all(r["rollplex/prefix_rows_per_prompt"] > 1 for r in trainer.state.log_history if "loss" in r)
-    return [r for r in trainer.state.log_history if "loss" in r], trainer
-
-
-def _assert_same_history(ours, theirs):
-    """Step 1 (same weights) at 1e-5. The shared prefix sums the same terms in another order (prompts grouped once),
-    so gradients agree to fp32 rounding; after an AdamW step (lr 1e-2) rounding on near-zero gradient entries moves
-    weights by O(lr * rounding / eps): later steps at 1e-4 (measured: 1.1e-5 relative in grad_norm at step 2)."""
-    assert len(ours) == len(theirs) == 3
-    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        for key in KEYS:
-            assert key in a and key in b, f"{key} missing at step {step}"
-            rel = 1e-5 if step == 0 else 1e-4
-            assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-5), f"{key} differs at step {step}"
+from helpers import PARITY_KEYS as KEYS
+from helpers import assert_same_history as _assert_same_history
+from helpers import length_reward
+from helpers import parity_config as _config
+from helpers import parity_train as _train
+from helpers import text_parity_dataset as _text_dataset
 
 
 def test_text_prompts_match_trl(tiny_qwen2_path, tmp_path):
@@ -63,38 +24,14 @@ def test_text_prompts_match_trl(tiny_qwen2_path, tmp_path):
     assert trainer.state.global_step == 3
 
 
-def test_image_prompts_match_trl(tiny_vl_path, tmp_path):
-    rng = np.random.default_rng(0)
-    sizes = [(56, 56), (56, 84), (84, 56), (56, 56)]
-    images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in sizes * 2]
-    prompts = [[{"role": "user", "content": f"What is in picture {i}?"}] for i in range(8)]
-    dataset = Dataset.from_dict({"prompt": prompts, "image": images})
-    theirs, _ = _train(GRPOTrainer, GRPOConfig, tiny_vl_path, dataset, tmp_path / "trl")
-    ours, _ = _train(RollplexGRPOTrainer, RollplexGRPOConfig, tiny_vl_path, dataset, tmp_path / "ours")
-    _assert_same_history(ours, theirs)
-
-
-def _text_dataset():
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"count to {i} please"}] for i in range(8)]})
-
-
-def _image_dataset():
-    rng = np.random.default_rng(0)
-    sizes = [(56, 56), (56, 84), (84, 56), (56, 56)]
-    images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in sizes * 2]
-    prompts = [[{"role": "user", "content": f"What is in picture {i}?"}] for i in range(8)]
-    return Dataset.from_dict({"prompt": prompts, "image": images})
-
-
-@pytest.mark.parametrize("kind", ["text", "image"])
-def test_first_step_matches_trl_under_trl_defaults(tiny_qwen2_path, tiny_vl_path, tmp_path, kind):
+def test_first_step_matches_trl_under_trl_defaults(tiny_qwen2_path, tmp_path):
     """TRL's defaults (bf16 autocast, gradient checkpointing, beta 0, dapo), one step at the same weights: the
     rollout samples the very same completions as TRL's (the shared prefill runs in the autocast TRL's generate runs
     in; computed in fp32 its K/V differ and the kept actor prefix with them), so rewards are equal, and the step's
     grad norm and entropy agree to bf16 rounding of the regrouped sums (measured: 1.1e-4 and 1.5e-4 relative in
     grad norm, text and image; 4.3e-4 and 3.7e-4 with the prefill outside autocast). Later steps are not compared:
     bf16 gradients move the two runs' weights apart, and sampled tokens may then differ."""
-    path, dataset = (tiny_qwen2_path, _text_dataset()) if kind == "text" else (tiny_vl_path, _image_dataset())
+    path, dataset = tiny_qwen2_path, _text_dataset()
     defaults = dict(bf16=True, gradient_checkpointing=True, beta=0.0, loss_type="dapo", max_steps=1)
     theirs_ids, ours_ids = [], []
     (theirs,), _ = _train(GRPOTrainer, GRPOConfig, path, dataset, tmp_path / "trl", theirs_ids, **defaults)

@@ -1,6 +1,9 @@
-"""Model dimensions for the memory planner: Qwen2.5-VL presets, or any HF ``config.json`` (no weights read).
+"""Model dimensions for the memory planner: the registered families' released shapes, or any HF ``config.json``.
 
-Presets are the public ``config.json`` values of the Qwen2.5-VL-{3B,7B,32B,72B}-Instruct checkpoints. The 32B
+Presets are the public ``config.json`` values of the Qwen2.5-VL-{3B,7B,32B,72B} and Qwen3-VL-{2B,4B,8B,32B}
+Instruct checkpoints (each family's adapter in rollplex_trl/models/ holds its own; no weights are read). The
+vision tower's layout (gated or plain MLP, RMSNorm or LayerNorm, learned position embeddings, DeepStack mergers)
+comes from the family's `vision_dims`; counts are tested against the real modules built on the meta device. The 32B
 figures are cross-checked in docs/sharding.md, "The per-logical-matrix accounting" (exact count: 33,452,718,336
 parameters = LLM 32,763,876,352 + vision 688,841,984), and ``ModelDims.num_params()`` reproduces that count (tested).
 """
@@ -26,23 +29,41 @@ class VisionDims:
     merge: int = 2  # spatial merge: merge**2 patches become one LLM token
     out_hidden: int = 5120
     in_channels: int = 3
+    # The layout (defaults: Qwen2.5-VL's tower; Qwen3-VL: plain MLP, LayerNorm with bias, learned position
+    # embeddings of 2304 slots, a biased patch embedding and three DeepStack mergers)
+    gated_mlp: bool = True
+    layer_norm: bool = False
+    position_embeddings: int = 0
+    deepstack_levels: int = 0
+
+    def _norm(self, width: int) -> int:
+        return 2 * width if self.layer_norm else width  # LayerNorm has a bias, RMSNorm does not
 
     def block_params(self) -> int:
         h, i = self.hidden, self.intermediate
         qkv = h * 3 * h + 3 * h
         proj = h * h + h
-        mlp = 2 * (i * h + i) + (h * i + h)  # gate, up (with bias) and down
-        return qkv + proj + mlp + 2 * h  # two RMSNorm weights
+        if self.gated_mlp:
+            mlp = 2 * (i * h + i) + (h * i + h)  # gate, up (with bias) and down
+        else:
+            mlp = (i * h + i) + (h * i + h)  # fc1 and fc2
+        return qkv + proj + mlp + 2 * self._norm(h)
+
+    def _merger_params(self, post_shuffle_norm: bool) -> int:
+        merged = self.hidden * self.merge**2
+        norm = self._norm(merged if post_shuffle_norm else self.hidden)
+        return norm + (merged * merged + merged) + (self.out_hidden * merged + self.out_hidden)
 
     def num_params(self) -> int:
         patch_embed = self.hidden * self.in_channels * self.temporal_patch * self.patch * self.patch
-        merged = self.hidden * self.merge**2
-        merger = self.hidden + (merged * merged + merged) + (self.out_hidden * merged + self.out_hidden)
-        return patch_embed + self.depth * self.block_params() + merger
+        patch_embed += self.hidden if self.layer_norm else 0  # Qwen3-VL's patch embedding has a bias
+        positions = self.position_embeddings * self.hidden
+        mergers = self._merger_params(False) + self.deepstack_levels * self._merger_params(True)
+        return patch_embed + positions + self.depth * self.block_params() + mergers
 
     def norm_params(self) -> int:
         """Parameters every tensor-parallel rank holds in full (norm weights)."""
-        return self.depth * 2 * self.hidden + self.hidden
+        return self.depth * 2 * self._norm(self.hidden) + self._norm(self.hidden)
 
 
 @dataclass(frozen=True)
@@ -57,15 +78,17 @@ class ModelDims:
     vocab: int
     tied_embeddings: bool
     vision: VisionDims | None = None
+    qkv_bias: bool = True  # Qwen2's attention has q/k/v biases; Qwen3's has none
+    qk_norm: bool = False  # Qwen3: a per-head RMSNorm on q and on k (head_dim weights each, on every rank)
 
     def layer_params(self, tp: int = 1) -> int:
         """One decoder layer's parameters on one of ``tp`` ranks (KV heads replicate when tp > kv_heads)."""
-        h, d = self.hidden, self.head_dim
-        q = (h * self.heads * d + self.heads * d) / tp
-        kv = 2 * (h * d + d) * self.kv_heads_per_rank(tp)
+        h, d, bias = self.hidden, self.head_dim, int(self.qkv_bias)
+        q = (h * self.heads * d + bias * self.heads * d) / tp
+        kv = 2 * (h * d + bias * d) * self.kv_heads_per_rank(tp)
         o = self.heads * d * h / tp
         mlp = 3 * h * self.intermediate / tp
-        return round(q + kv + o + mlp + 2 * h)
+        return round(q + kv + o + mlp + 2 * h + (2 * d if self.qk_norm else 0))
 
     def kv_heads_per_rank(self, tp: int) -> float:
         """KV heads one rank holds: kv_heads / tp, or one replicated head when tp exceeds kv_heads."""
@@ -104,7 +127,7 @@ class ModelDims:
 
 
 def _presets() -> dict[str, ModelDims]:
-    # One table of the released Qwen2.5-VL shapes serves both planners: rollplex_trl/model_presets.py holds it.
+    # One table of the released shapes serves both planners: rollplex_trl/model_presets.py gathers the families'.
     from rollplex_trl.model_presets import PRESETS as CONFIGS
     from rollplex_trl.model_presets import preset_config
 
@@ -125,7 +148,7 @@ def resolve_model(name_or_config: str) -> ModelDims:
 
 
 def from_hf_config(path: str | Path) -> ModelDims:
-    """Read the dimensions from an HF config (Qwen2.5-VL, Qwen2-VL, or a decoder-only LLM) with AutoConfig."""
+    """Read the dimensions from an HF config (a registered family, or a decoder-only LLM) with AutoConfig."""
     from transformers import AutoConfig
 
     path = Path(path)
@@ -138,9 +161,14 @@ def dims_from_config(config: PretrainedConfig, name: str) -> ModelDims:
     text = getattr(config, "text_config", None) or config
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    from rollplex_trl.models.families import family_for
+
+    family = family_for(config)
     vision = None
     vc = getattr(config, "vision_config", None)
-    if vc is not None:
+    if vc is not None and family is not None:
+        vision = family.vision_dims(vc)
+    elif vc is not None:  # a VL config no adapter claims (Qwen2-VL): read it as Qwen2.5-VL's layout
         vit_hidden = getattr(vc, "hidden_size", None) or vc.embed_dim
         vision = VisionDims(
             depth=vc.depth,
@@ -167,6 +195,8 @@ def dims_from_config(config: PretrainedConfig, name: str) -> ModelDims:
         vocab=text.vocab_size,
         tied_embeddings=bool(tied),
         vision=vision,
+        qkv_bias=family.text_qkv_bias if family is not None else True,
+        qk_norm=family.text_qk_norm if family is not None else False,
     )
 
 

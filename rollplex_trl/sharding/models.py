@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rollplex_trl.model_presets import PRESETS, preset_config  # noqa: F401 (PRESETS: re-exported)
-from rollplex_trl.models.families import megatron_refusal
+from rollplex_trl.models.families import family_for, megatron_refusal
 from rollplex_trl.sharding.layouts import (
     Concat,
     GroupInterleave,
@@ -258,17 +258,17 @@ def config_head_dims(config: object) -> dict[str, int]:
 
 
 def model_spec_from_config(config: PretrainedConfig, name: str | None = None) -> ModelSpec:
-    """Enumerate a Qwen2 / Qwen2.5-VL model's parameters from its config (model built on the meta device)."""
+    """Enumerate a text model's or a registered family's parameters from its config (built on the meta device)."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForCausalLM
 
     refusal = megatron_refusal(config)  # the plan is Megatron's layouts against vLLM's: families it builds only
     if refusal is not None:
         raise LayoutError(refusal)
-    is_vl = getattr(config, "model_type", "") == "qwen2_5_vl"
+    family = family_for(config)
+    is_vl = family is not None
     with torch.device("meta"):
-        model = (Qwen2_5_VLForConditionalGeneration(config) if is_vl
-                 else AutoModelForCausalLM.from_config(config))
+        model = family.load_class()(config) if is_vl else AutoModelForCausalLM.from_config(config)
     # named_parameters() skips tied duplicates, so a tied LM head is simply absent (vLLM ties it too).
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     return ModelSpec(name or getattr(config, "_name_or_path", "") or config.model_type,

@@ -1,9 +1,11 @@
 """Local checkpoints for tests, examples and benchmarks, built without any model hub.
 
 Each builder writes a *real* checkpoint with ``save_pretrained`` (config, random weights, a byte-level BPE
-tokenizer trained with ``tokenizers`` that carries Qwen's special tokens, Qwen2.5-VL's chat template and, for the
-VL model, a ``Qwen2_5_VLProcessor`` with image and video processors), so that everything downstream goes through
-the same ``from_pretrained`` code paths a user's Qwen checkpoint would.
+tokenizer trained with ``tokenizers`` that carries Qwen's special tokens, Qwen2.5-VL's chat template and, for a
+vision-language family, that family's processor with image and video processors), so that everything downstream
+goes through the same ``from_pretrained`` code paths a user's Qwen checkpoint would. The vision-language builders
+live in each family's adapter (models/qwen2_5_vl.py, models/qwen3_vl.py); this module holds the presets, the
+tokenizer and the cache.
 
 Presets:
 - ``tiny``: unit tests; a few hundred thousand parameters, loads in well under 2 s.
@@ -28,9 +30,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Bump when the builders change in a way that changes what they write: cached checkpoints are keyed by it.
-BUILDER_VERSION = 3
+BUILDER_VERSION = 4
 
-ModelKind = Literal["qwen2_5_vl", "qwen2", "qwen3_vl"]
+# a model type, or a registered family's name ("qwen3-vl" = "qwen3_vl")
+ModelKind = Literal["qwen2_5_vl", "qwen2", "qwen3_vl", "qwen2.5-vl", "qwen3-vl"]
 
 # Qwen's special tokens. Their order fixes their ids (they come first in the vocabulary).
 ENDOFTEXT = "<|endoftext|>"
@@ -205,8 +208,14 @@ def _padded_vocab_size(n_tokens: int, multiple: int = 64) -> int:
 # Builders
 # ----------------------------------------------------------------------------------------------------------------
 
-def _text_config_kwargs(p: TextPreset, tokenizer, with_mrope: bool) -> dict:
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+def special_token_ids(tokenizer) -> dict[str, int]:
+    """The ids of Qwen's special tokens in `tokenizer`."""
+    return {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+
+
+def text_config_kwargs(p: TextPreset, tokenizer, with_mrope: bool) -> dict:
+    """The language model's config fields for a preset (also the text config inside each VL family's builder)."""
+    ids = special_token_ids(tokenizer)
     kwargs = dict(
         vocab_size=_padded_vocab_size(len(tokenizer)),
         hidden_size=p.hidden_size,
@@ -226,54 +235,11 @@ def _text_config_kwargs(p: TextPreset, tokenizer, with_mrope: bool) -> dict:
     return kwargs
 
 
-def _build_qwen2_5_vl(out_dir: Path, preset: Preset, seed: int) -> None:
-    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_5_vl import Qwen2_5_VLProcessor
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
-
-    tokenizer = build_tokenizer(preset.text.vocab_size)
-    text_kwargs = _text_config_kwargs(preset.text, tokenizer, with_mrope=True)
-    v = preset.vision
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    config = Qwen2_5_VLConfig(
-        text_config=text_kwargs,
-        vision_config=dict(
-            depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size, num_heads=v.num_heads,
-            out_hidden_size=preset.text.hidden_size, patch_size=v.patch_size, spatial_merge_size=v.spatial_merge_size,
-            temporal_patch_size=v.temporal_patch_size, window_size=v.window_size,
-            fullatt_block_indexes=list(v.fullatt_block_indexes), tokens_per_second=v.tokens_per_second,
-        ),
-        image_token_id=ids[IMAGE_PAD],
-        video_token_id=ids[VIDEO_PAD],
-        vision_start_token_id=ids[VISION_START],
-        vision_end_token_id=ids[VISION_END],
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(getattr(torch, preset.dtype))
-    model.generation_config = GenerationConfig(
-        bos_token_id=ids[ENDOFTEXT], eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT],
-    )
-    model.save_pretrained(out_dir)
-
-    pixel_kwargs = dict(min_pixels=preset.min_pixels, max_pixels=preset.max_pixels, patch_size=v.patch_size,
-                        merge_size=v.spatial_merge_size, temporal_patch_size=v.temporal_patch_size)
-    processor = Qwen2_5_VLProcessor(
-        image_processor=Qwen2VLImageProcessor(**pixel_kwargs),
-        tokenizer=tokenizer,
-        # cap_pixels_per_frame: qwen-vl-utils' per-frame pixel cap (the reference behaviour, default from v5.22).
-        video_processor=Qwen2VLVideoProcessor(**pixel_kwargs, cap_pixels_per_frame=True),
-        chat_template=QWEN2_5_VL_CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(out_dir)
-
-
 def _build_qwen2(out_dir: Path, preset: Preset, seed: int) -> None:
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tokenizer(preset.text.vocab_size)
-    config = Qwen2Config(**_text_config_kwargs(preset.text, tokenizer, with_mrope=False))
+    config = Qwen2Config(**text_config_kwargs(preset.text, tokenizer, with_mrope=False))
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(torch.float32)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (ENDOFTEXT, IM_END)}
@@ -284,70 +250,32 @@ def _build_qwen2(out_dir: Path, preset: Preset, seed: int) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def _build_qwen3_vl(out_dir: Path, preset: Preset, seed: int) -> None:
-    """Qwen3-VL (transformers' `qwen3_vl`) with the preset's sizes and Qwen3-VL's own layout: 16-pixel patches (32
-    per merged token), interleaved M-RoPE, DeepStack (the vision tower's features of every block also added to the
-    LLM's first layers; at least 3 LLM layers so that every DeepStack level feeds a layer with a gradient). The
-    DeepStack mergers' weights are scaled up 10x: at random init their contribution is too small for a test to see
-    a mistake in it. Qwen3-VL renders a video in the chat template as Qwen2.5-VL does; its processor adds a
-    timestamp before each temporal patch."""
-    from transformers import GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+def _builders() -> dict:
+    """The text model's builder and each registered vision-language family's (models/families.py), by model type."""
+    from rollplex_trl.models.families import FAMILIES
 
-    tokenizer = build_tokenizer(preset.text.vocab_size)
-    text_kwargs = _text_config_kwargs(preset.text, tokenizer, with_mrope=False)
-    text_kwargs["num_hidden_layers"] = max(3, preset.text.num_hidden_layers)
-    text_kwargs["head_dim"] = preset.text.head_dim
-    text_kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": 5_000_000.0,
-                                      "mrope_section": list(preset.text.mrope_section), "mrope_interleaved": True}
-    v = preset.vision
-    patch, ids = 16, {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    config = Qwen3VLConfig(
-        text_config=text_kwargs,
-        vision_config=dict(depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
-                           num_heads=v.num_heads, out_hidden_size=preset.text.hidden_size, patch_size=patch,
-                           spatial_merge_size=v.spatial_merge_size, temporal_patch_size=v.temporal_patch_size,
-                           num_position_embeddings=64, deepstack_visual_indexes=list(range(min(v.depth, 2)))),
-        image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START],
-        vision_end_token_id=ids[VISION_END], tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).to(getattr(torch, preset.dtype))
-    with torch.no_grad():
-        for merger in model.model.visual.deepstack_merger_list:
-            for weight in merger.parameters():
-                if weight.dim() > 1:
-                    weight.mul_(10.0)
-    model.generation_config = GenerationConfig(
-        bos_token_id=ids[ENDOFTEXT], eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT],
-    )
-    model.save_pretrained(out_dir)
-    unit = (patch * v.spatial_merge_size) ** 2  # pixels per merged token
-    pixels = dict(patch_size=patch, merge_size=v.spatial_merge_size, temporal_patch_size=v.temporal_patch_size)
-    processor = Qwen3VLProcessor(
-        image_processor=Qwen2VLImageProcessor(**pixels, size={"shortest_edge": 4 * unit, "longest_edge": 64 * unit}),
-        tokenizer=tokenizer,
-        # Qwen3-VL's video processor bounds the whole clip (frames x height x width), not each frame
-        video_processor=Qwen3VLVideoProcessor(**pixels, size={"shortest_edge": 4 * unit, "longest_edge": 512 * unit}),
-        chat_template=QWEN2_5_VL_CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(out_dir)
+    return {"qwen2": _build_qwen2, **{f.model_type: f.build_checkpoint for f in FAMILIES.values()}}
 
 
-_BUILDERS = {"qwen2_5_vl": _build_qwen2_5_vl, "qwen2": _build_qwen2, "qwen3_vl": _build_qwen3_vl}
+def _model_type(kind: str) -> str:
+    """A family's user-facing name ("qwen3-vl") is accepted wherever a model type ("qwen3_vl") is."""
+    from rollplex_trl.models.families import FAMILIES
+
+    return FAMILIES[kind].model_type if kind in FAMILIES else kind
 
 
 def build_checkpoint(out_dir: str | os.PathLike, kind: ModelKind = "qwen2_5_vl", preset: str = "tiny",
                      seed: int = 0) -> Path:
     """Write a checkpoint of ``kind`` and ``preset`` to ``out_dir`` (overwriting it) and return the path."""
-    if kind not in _BUILDERS:
-        raise ValueError(f"unknown checkpoint kind {kind!r}; choose one of {sorted(_BUILDERS)}")
+    builders = _builders()
+    kind = _model_type(kind)
+    if kind not in builders:
+        raise ValueError(f"unknown checkpoint kind {kind!r}; choose one of {sorted(builders)}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _BUILDERS[kind](out, PRESETS[preset], seed)
+    builders[kind](out, PRESETS[preset], seed)
     (out / "rollplex_checkpoint.json").write_text(
         json.dumps({"kind": kind, "preset": preset, "seed": seed, "builder_version": BUILDER_VERSION}, indent=2)
     )
@@ -367,6 +295,7 @@ def get_checkpoint(kind: ModelKind = "qwen2_5_vl", preset: str = "tiny", seed: i
     interrupted build never leave a half-written checkpoint behind.
     """
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    kind = _model_type(kind)
     target = root / "checkpoints" / f"{kind}-{preset}-seed{seed}-v{BUILDER_VERSION}"
     if (target / "rollplex_checkpoint.json").exists():
         return target
