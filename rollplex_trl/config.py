@@ -278,6 +278,18 @@ class RollplexGRPOConfig(GRPOConfig):
             "choices": ["auto", "on", "off"],
         },
     )
+    rollplex_video_sampling: Literal["config", "processor"] = _option(
+        rule=_Rule("choice", "'config' or 'processor'", choices=("config", "processor")),
+        default="config",
+        metadata={
+            "help": "Where the frame sampling comes from. 'config': the rollplex_video_* fields (Video-R1's "
+            "settings by default). 'processor': the model's video processor's own settings (its fps, 2 where it "
+            "has none; min/max frames; pixel bounds per frame for Qwen2.5-VL, over frames x height x width of the "
+            "whole clip for Qwen3-VL), as the family samples by itself; a rollplex_video_* field set away from its "
+            "default is then refused, not ignored.",
+            "choices": ["config", "processor"],
+        },
+    )
     rollplex_video_fps: float = _option(
         rule=_Rule("float", "a finite number > 0", lambda v: v > 0),
         default=2.0, metadata={"help": "Frames sampled per second of video, as qwen-vl-utils does (FPS)."}
@@ -515,6 +527,11 @@ def _read(name: str, value: Any, rule: _Rule) -> Any:
         raise bad() from None
 
 
+# the fields rollplex_video_sampling="processor" replaces by the video processor's own settings
+_PROCESSOR_SAMPLED = ("rollplex_video_fps", "rollplex_video_min_frames", "rollplex_video_max_frames",
+                      "rollplex_video_min_pixels", "rollplex_video_max_pixels")
+
+
 def _validate(cfg: RollplexGRPOConfig) -> None:
     """Read every rollplex_* value as its type and check its range, naming the field; then the cross-field rules."""
     for name, rule in _RULES.items():
@@ -554,6 +571,16 @@ def _validate(cfg: RollplexGRPOConfig) -> None:
     if cfg.rollplex_len_control_min > cfg.rollplex_len_control_max:
         raise ValueError("need rollplex_len_control_min <= rollplex_len_control_max, got "
                          f"{cfg.rollplex_len_control_min} and {cfg.rollplex_len_control_max}")
+    if cfg.rollplex_video_sampling == "processor":
+        import dataclasses
+
+        defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.name in _PROCESSOR_SAMPLED}
+        changed = sorted(name for name, default in defaults.items() if getattr(cfg, name) != default)
+        if changed:
+            raise ValueError(f"rollplex_video_sampling='processor' takes the frame sampling from the video processor, "
+                             f"but {', '.join(changed)} {'is' if len(changed) == 1 else 'are'} set: leave "
+                             f"{'it' if len(changed) == 1 else 'them'} at the default, or use "
+                             "rollplex_video_sampling='config'")
     if cfg.rollplex_video_min_pixels > cfg.rollplex_video_max_pixels:
         raise ValueError(
             "need rollplex_video_min_pixels <= rollplex_video_max_pixels, got "

@@ -63,6 +63,10 @@ class VideoSamplingConfig:
         max_pixels: upper bound on pixels per sampled frame; plays the role of qwen-vl-utils' ``VIDEO_MAX_PIXELS``.
         total_pixels: optional budget for all frames of a clip together (qwen-vl-utils' ``total_pixels``); ``None``
             means no clip-level budget.
+        clip_min_pixels, clip_max_pixels: optional bounds on frames x height x width of the sampled clip, the way a
+            video processor that bounds the whole clip applies its ``size`` (Qwen3-VL's): the per-frame bounds become
+            ``clip_min_pixels / nframes`` and ``clip_max_pixels / nframes`` where tighter than ``min_pixels`` and
+            ``max_pixels``. ``None``: no such bound.
         frame_factor: the frame count is a multiple of this (Qwen2.5-VL merges 2 frames per temporal patch).
         image_factor: frame height and width are multiples of this (patch 14 * spatial merge 2 = 28).
         nframes: explicit number of frames; overrides ``fps``, ``min_frames`` and ``max_frames``.
@@ -76,6 +80,8 @@ class VideoSamplingConfig:
     min_pixels: int = 16 * 28 * 28
     max_pixels: int = 128 * 28 * 28
     total_pixels: int | None = None
+    clip_min_pixels: int | None = None
+    clip_max_pixels: int | None = None
     frame_factor: int = 2
     image_factor: int = 28
     nframes: int | None = None
@@ -94,6 +100,9 @@ class VideoSamplingConfig:
             problems.append(f"need 1 <= min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels}")
         if self.total_pixels is not None and self.total_pixels < 1:
             problems.append(f"total_pixels must be >= 1 or None, got {self.total_pixels}")
+        clip = (self.clip_min_pixels, self.clip_max_pixels)
+        if any(v is not None and v < 1 for v in clip) or (None not in clip and clip[0] > clip[1]):
+            problems.append(f"need 1 <= clip_min_pixels <= clip_max_pixels (or None), got {clip[0]} and {clip[1]}")
         if self.frame_factor < 1 or self.image_factor < 1:
             problems.append(f"frame_factor and image_factor must be >= 1, got {self.frame_factor}, {self.image_factor}")
         if self.nframes is not None and self.nframes < 1:
@@ -246,16 +255,28 @@ def sample_frame_indices(total_frames: int, nframes: int) -> list[int]:
     return torch.linspace(0, total_frames - 1, nframes).round().long().tolist()
 
 
+def frame_pixel_floor(config: VideoSamplingConfig, nframes: int) -> float:
+    """Per-frame pixel floor for a clip of ``nframes`` frames: ``min_pixels``, raised where the clip's frames x
+    height x width must reach ``clip_min_pixels``."""
+    floor: float = config.min_pixels
+    if config.clip_min_pixels is not None:
+        floor = max(floor, config.clip_min_pixels / nframes)
+    return floor
+
+
 def frame_pixel_budget(config: VideoSamplingConfig, nframes: int) -> float:
     """Per-frame pixel cap for a clip of ``nframes`` frames (qwen-vl-utils' ``max_pixels`` in ``fetch_video``).
 
-    The clip-level ``total_pixels`` budget lowers the cap for long clips; the cap never falls below
-    ``1.05 * min_pixels`` so that ``smart_resize`` always has room between its bounds.
+    The clip-level ``total_pixels`` budget lowers the cap for long clips, as does ``clip_max_pixels`` (frames x height
+    x width); the cap never falls below ``1.05 *`` the floor so that ``smart_resize`` always has room between its
+    bounds.
     """
     max_pixels: float = config.max_pixels
     if config.total_pixels is not None:
         max_pixels = min(max_pixels, config.total_pixels / nframes * config.frame_factor)
-    return max(max_pixels, int(config.min_pixels * 1.05))
+    if config.clip_max_pixels is not None:
+        max_pixels = min(max_pixels, config.clip_max_pixels / nframes)
+    return max(max_pixels, int(frame_pixel_floor(config, nframes) * 1.05))
 
 
 def _resize_uint8(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -347,6 +368,7 @@ class _FrameResizer:
 
     def __init__(self, config: VideoSamplingConfig, nframes: int, where: str) -> None:
         self._config = config
+        self._min_pixels = frame_pixel_floor(config, nframes)
         self._max_pixels = frame_pixel_budget(config, nframes)
         self._where = where
         self.size: tuple[int, int] | None = None
@@ -360,7 +382,7 @@ class _FrameResizer:
                     height,
                     width,
                     factor=self._config.image_factor,
-                    min_pixels=self._config.min_pixels,
+                    min_pixels=self._min_pixels,
                     max_pixels=self._max_pixels,
                 )
             except RollplexDataError as error:
@@ -593,7 +615,7 @@ def frames_to_video(
             int(height),
             int(width),
             factor=config.image_factor,
-            min_pixels=config.min_pixels,
+            min_pixels=frame_pixel_floor(config, padded_count),
             max_pixels=frame_pixel_budget(config, padded_count),
         )
     except RollplexDataError as error:

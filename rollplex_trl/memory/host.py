@@ -19,7 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollplex_trl.data.video import VideoSamplingConfig, frame_pixel_budget, smart_nframes, smart_resize
+from rollplex_trl.data.video import (
+    VideoSamplingConfig,
+    frame_pixel_budget,
+    frame_pixel_floor,
+    smart_nframes,
+    smart_resize,
+)
 
 PIXEL_BYTES = 4  # the processor's float32 pixel values
 CHANNELS = 3
@@ -82,7 +88,8 @@ def plan_host_media(clip: SourceClip, sampling: VideoSamplingConfig, *, cache_ro
     `keep_frames`: the rollout engine processes frames itself (vLLM), so a prepared row keeps them too."""
     frames = smart_nframes(clip.total_frames, clip.fps, sampling, where="plan")
     height, width = smart_resize(clip.height, clip.width, factor=sampling.image_factor,
-                                 min_pixels=sampling.min_pixels, max_pixels=frame_pixel_budget(sampling, frames))
+                                 min_pixels=frame_pixel_floor(sampling, frames),
+                                 max_pixels=frame_pixel_budget(sampling, frames))
     frames_bytes = frames * CHANNELS * height * width
     pixel_bytes = frames * CHANNELS * height * width * PIXEL_BYTES
     return HostMediaPlan(frames=frames, height=height, width=width,

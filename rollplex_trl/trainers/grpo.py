@@ -115,7 +115,8 @@ class RollplexGRPOTrainer(GRPOTrainer):
         self.vllm_rollout = VLLMRollout(generation, trl_compat.pad_token_id(self), self.accelerator.device) if (
             self.use_vllm and isinstance(generation, RollplexVLLMGeneration)) else None
         self.media = DatasetPreparation(
-            self.processing_class, media_options(self.rollplex, self.chat_template, self.chat_template_kwargs),
+            self.processing_class, media_options(self.rollplex, self.chat_template, self.chat_template_kwargs,
+                                                 processor=self.processing_class),
             is_vlm=trl_compat.is_vlm(self), prepare_images=self.plan.prepare_images, framed=self.use_vllm,
             custom_rollout=bool(self.tools) or self.environment_factories is not None or self.rollout_func is not None)
         if self._wrap_datasets():

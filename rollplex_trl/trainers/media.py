@@ -29,15 +29,23 @@ from rollplex_trl.data.prepared import (
 from rollplex_trl.data.video import VideoSamplingConfig
 
 
-def media_options(options: dict[str, Any], chat_template: str | None, chat_template_kwargs: dict | None
-                  ) -> MediaOptions:
-    """The `rollplex_*` media fields as the data module's options."""
-    return MediaOptions(
-        sampling=VideoSamplingConfig(
+def media_options(options: dict[str, Any], chat_template: str | None, chat_template_kwargs: dict | None,
+                  processor: Any = None) -> MediaOptions:
+    """The `rollplex_*` media fields as the data module's options. With `rollplex_video_sampling="processor"` the
+    frame sampling is the processor's own (models/families.py `processor_video_sampling`); without a processor to
+    read it from (a text model), the fields' defaults stand, and a video dataset is refused later anyway."""
+    if options.get("rollplex_video_sampling", "config") == "processor" and processor is not None:
+        from rollplex_trl.models.families import processor_video_sampling
+
+        sampling = VideoSamplingConfig(**processor_video_sampling(processor))
+    else:
+        sampling = VideoSamplingConfig(
             fps=options["rollplex_video_fps"], min_frames=options["rollplex_video_min_frames"],
             max_frames=options["rollplex_video_max_frames"], min_pixels=options["rollplex_video_min_pixels"],
             max_pixels=options["rollplex_video_max_pixels"],
-        ),
+        )
+    return MediaOptions(
+        sampling=sampling,
         max_prompt_length=options["rollplex_max_prompt_length"],
         skip_invalid=options["rollplex_skip_invalid_samples"],
         max_skipped_fraction=options["rollplex_max_skipped_fraction"],

@@ -281,13 +281,14 @@ def refuse_before_setup(arguments: dict[str, Any]) -> None:
         return
     options = rollplex_options(config)
     if not options["rollplex_skip_invalid_samples"]:
-        media = media_options(options, None, getattr(config, "chat_template_kwargs", None))
-        for name, dataset in datasets.items():
-            check_first_media(dataset, name, media.sampling, options["rollplex_check_rows"])
         rows = options["rollplex_check_rows"]
         with_video = {name: first_video_rows(d, rows) for name, d in datasets.items()}
         with_video = {name: found for name, found in with_video.items() if found}
         processor = _processor_for_checks(arguments) if with_video else None
+        # the frames are checked as training will sample them (the processor's settings where it says so)
+        media = media_options(options, None, getattr(config, "chat_template_kwargs", None), processor=processor)
+        for name, dataset in datasets.items():
+            check_first_media(dataset, name, media.sampling, options["rollplex_check_rows"])
         for name, found in with_video.items() if processor is not None else ():
             check_first_prompts(found, name, processor, media, rows)
     returned = (getattr(config, "generation_kwargs", None) or {}).get("num_return_sequences", 1) or 1
