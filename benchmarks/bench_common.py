@@ -18,17 +18,26 @@ from pathlib import Path
 COMMAND_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
 
 
-def quiet_checkpoint(preset: str) -> Path:
+def quiet_checkpoint(preset: str, family: str = "qwen2.5-vl") -> Path:
     """Silence warnings, logging and progress bars (the printed table is the output) and return the local
-    Qwen2.5-VL checkpoint of `preset`, built on first use (no model hub)."""
+    checkpoint of `family` (models/families.py) and `preset`, built on first use (no model hub)."""
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     from transformers.utils import logging as hf_logging
 
+    from rollplex_trl.models.families import family_named
     from rollplex_trl.testing.checkpoints import get_checkpoint
 
     hf_logging.disable_progress_bar()
-    return get_checkpoint("qwen2_5_vl", preset)
+    return get_checkpoint(family_named(family).model_type, preset)
+
+
+def add_family_arg(parser: argparse.ArgumentParser) -> None:
+    """`--family`: the vision-language family the benchmark's local checkpoint is built as."""
+    from rollplex_trl.models.families import FAMILIES
+
+    parser.add_argument("--family", default="qwen2.5-vl", choices=list(FAMILIES),
+                        help="model family of the local checkpoint (the same preset sizes)")
 
 
 def synthetic_video_dataset(folder: Path, num_samples: int, frames: int, size: int):
@@ -86,6 +95,7 @@ def add_image_workload_args(parser: argparse.ArgumentParser, *, repeats: int) ->
     """The image GRPO workload's options, shared by the benchmarks that run it (bench_vs_trl.py,
     bench_trl_defaults.py): model preset, G, forced completion length, image size, steps per run, runs."""
     parser.add_argument("--preset", default="small")
+    add_family_arg(parser)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--completion-length", type=int, default=32)
     parser.add_argument("--image-size", type=int, default=448)

@@ -1,9 +1,9 @@
 """Benchmark: shared-prefix log-probs vs TRL's serial full forward, side by side in one run.
 
-For each (G, prompt share) it builds three RollplexGRPOTrainer instances on the `small` local Qwen2.5-VL and the
-synthetic video task, identical except for `rollplex_share_prefix` ("off" = TRL's serial path, "on" = shared) and
-`rollplex_suffix_attention` ("concat": the prompt's K/V copied to every row, what CUDA runs; "cascade": what CPU runs),
-and measures, on the same generation batch:
+For each (G, prompt share) it builds three RollplexGRPOTrainer instances on the `small` local Qwen2.5-VL (or
+`--family qwen3-vl`: a Qwen3-VL of the same sizes) and the synthetic video task, identical except for
+`rollplex_share_prefix` ("off" = TRL's serial path, "on" = shared) and `rollplex_suffix_attention` ("concat": the
+prompt's K/V copied to every row, what CUDA runs; "cascade": what CPU runs), and measures, on the same generation batch:
 - the reference pass (no grad, reference model),
 - the actor pass (forward + backward of the log-probs),
 - the whole training step (transformers rollout + scoring + loss + optimizer) on the wall clock
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import quiet_checkpoint, run_meta, wall_step_clock
+from bench_common import add_family_arg, quiet_checkpoint, run_meta, wall_step_clock
 
 
 def _saved_bytes(fn) -> int:
@@ -54,7 +54,7 @@ def _saved_bytes(fn) -> int:
 def _write(path: str, args, rows: list[dict]) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {**run_meta(), "preset": args.preset, "frames": args.frames, "size": args.size,
+    meta = {**run_meta(), "preset": args.preset, "family": args.family, "frames": args.frames, "size": args.size,
             "prompts_per_step": args.prompts, "steps": args.steps, "repeats": args.repeats,
             "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
             "torch": torch.__version__}
@@ -179,6 +179,7 @@ def _auto_text(auto: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small")
+    add_family_arg(parser)
     parser.add_argument("--generations", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--completion-lengths", type=int, nargs="+", default=None,
                         help="C values (default: chosen for ~50/80/95%% prompt share)")
@@ -195,7 +196,7 @@ def main() -> None:
                         help="measure the whole step only up to this completion length")
     parser.add_argument("--out", default="benchmarks/results/shared_prefix.json")
     args = parser.parse_args()
-    model_path = quiet_checkpoint(args.preset)
+    model_path = quiet_checkpoint(args.preset, args.family)
     tmp = Path(tempfile.mkdtemp(prefix="rollplex-bench-"))
     dataset = _dataset(tmp, num_prompts=max(8, args.prompts * args.steps), frames=args.frames, size=args.size)
     probe = _trainer(model_path, dataset, tmp, "off", 2, 8, args)

@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--mechanisms", nargs="+", default=list(MECHANISMS), choices=list(MECHANISMS))
     parser.add_argument("--out", default="benchmarks/results/trl_defaults.json")
     args = parser.parse_args()
-    model_path = quiet_checkpoint(args.preset)
+    model_path = quiet_checkpoint(args.preset, args.family)
     tmp = Path(tempfile.mkdtemp(prefix="rollplex-bench-defaults-"))
     dataset = _image_dataset(args.steps, args.image_size)
     runs = {m: {"on": [], "off": []} for m in args.mechanisms}
@@ -92,7 +92,8 @@ def main() -> None:
         row["decode_ratio"] = row["off_decode_s"] / row["on_decode_s"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {**run_meta(), "preset": args.preset, "G": args.generations, "C": args.completion_length,
+    meta = {**run_meta(), "preset": args.preset, "family": args.family, "G": args.generations,
+            "C": args.completion_length,
             "image_size": args.image_size, "steps": args.steps, "repeats": args.repeats,
             "precision": "bf16 autocast + checkpointing", "device": "cuda" if torch.cuda.is_available() else "cpu",
             "threads": torch.get_num_threads(), "torch": torch.__version__}

@@ -1,6 +1,7 @@
 """Benchmark: the whole GRPO step of plain `trl.GRPOTrainer` vs `RollplexGRPOTrainer`, side by side in one run.
 
-TRL has no video path, so the workload is an image one: the `small` local Qwen2.5-VL, prompts of one S x S image
+TRL has no video path, so the workload is an image one: the `small` local Qwen2.5-VL (or `--family qwen3-vl`: a
+Qwen3-VL of the same sizes), prompts of one S x S image
 (S = 448: 256 visual tokens) and a one-line question, G completions per prompt forced to exactly C tokens
 (`min_new_tokens`), so the prompt share P / (P + C) is ~90% at C = 32. Both trainers get the same configuration
 (TRL's defaults unless `--fp32`: bf16 autocast, gradient checkpointing, beta = 0, loss "dapo"), the same data, seed
@@ -11,7 +12,7 @@ sync: `bench_common.wall_step_clock`); the table shows the medians over runs and
 `step_time` metric (its `training_step` only: no clipping or optimizer step) beside it.
 
 Usage:  .venv/bin/python benchmarks/bench_vs_trl.py [--generations 8] [--completion-length 32] [--repeats 2] [--fp32]
-        [--peft] [--compile-decode]
+        [--peft] [--compile-decode] [--family qwen3-vl]
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def main() -> None:
                         help="both trainers train a LoRA adapter (r 8 on q/k/v/o) instead of the whole model")
     parser.add_argument("--out", default="benchmarks/results/vs_trl.json")
     args = parser.parse_args()
-    model_path = quiet_checkpoint(args.preset)
+    model_path = quiet_checkpoint(args.preset, args.family)
     tmp = Path(tempfile.mkdtemp(prefix="rollplex-bench-trl-"))
     dataset = _image_dataset(args.steps, args.image_size)
     kinds = ("trl", "rollplex", "rollplex_compiled") if args.compile_decode else ("trl", "rollplex")
@@ -108,7 +109,8 @@ def main() -> None:
     ours_s = statistics.median(r["step_s"] for r in runs["rollplex"])
     tokens = runs["trl"][0]["num_tokens"] / args.steps / args.generations  # P + C per sequence
     share = 1 - args.completion_length / tokens
-    result = {"meta": {**run_meta(), "preset": args.preset, "G": args.generations, "C": args.completion_length,
+    result = {"meta": {**run_meta(), "preset": args.preset, "family": args.family, "G": args.generations,
+                       "C": args.completion_length,
                        "image_size": args.image_size, "prompt_share": share, "steps": args.steps,
                        "repeats": args.repeats, "precision": "fp32" if args.fp32 else "bf16 autocast + checkpointing",
                        "peft": "LoRA r 8 on q/k/v/o" if args.peft else None,

@@ -358,6 +358,13 @@ SECTIONS = [
      "run `OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_main_job.py [--seeds 0 1 2] "
      "--out benchmarks/results/main_job.json --picture docs/main-job.png`.",
      [("main_job*.json", render_main_job, None)]),
+    ("## Model families side by side (`--family`)",
+     "The shared-prefix and vs-TRL benchmarks on each registered family (models/families.py), the same preset sizes "
+     "and workload, run back to back on one machine: Qwen2.5-VL and Qwen3-VL (16-pixel patches, DeepStack, "
+     "interleaved M-RoPE); run `OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_vs_trl.py --family F "
+     "--steps 3 --repeats 2 --out benchmarks/results/family_vs_trl_F.json` and `benchmarks/bench_shared_prefix.py "
+     "--family F --quick --steps 3 --repeats 2 --out benchmarks/results/family_shared_prefix_F.json` for each F.",
+     [("family_vs_trl_*.json", render_vs_trl, None), ("family_shared_prefix_*.json", render_shared_prefix, None)]),
     ("## Shared prefix (`benchmarks/bench_shared_prefix.py`)",
      "Serial scoring (`rollplex_share_prefix=\"off\"`: TRL's full forward per completion) against the shared prefix "
      "(cascade suffix attention, the CPU path; the concat path and the two `auto` decisions where recorded) on the "
@@ -420,6 +427,25 @@ SECTIONS = [
 ]
 
 
+def family_summary(results: Path) -> str:
+    """One row per family: the vs-TRL step ratio and the shared prefix's scoring and step ratios (ratios measured
+    within each run; seconds only compare within a row)."""
+    rows = []
+    for path in sorted(results.glob("family_vs_trl_*.json")):
+        vs_trl = json.loads(path.read_text())
+        family = vs_trl["meta"].get("family", path.stem.removeprefix("family_vs_trl_"))
+        shared_path = results / path.name.replace("family_vs_trl_", "family_shared_prefix_")
+        shared = json.loads(shared_path.read_text())["rows"][0] if shared_path.exists() else {}
+        rows.append([f"`{family}`", num(vs_trl.get("trl_step_s")), num(vs_trl.get("rollplex_step_s")),
+                     f"**{ratio(vs_trl.get('ratio'))}**", pct(get(vs_trl, "meta", "prompt_share")),
+                     ratio(shared.get("ratio_ref_plus_actor")), ratio(shared.get("ratio_step")),
+                     pct(shared.get("prompt_share"))])
+    head = ["family", "`trl.GRPOTrainer` step (s)", "`RollplexGRPOTrainer` step (s)", "vs TRL",
+            "image prompt share", "shared prefix: ref+actor serial / shared", "step serial / shared",
+            "video prompt share"]
+    return "### Summary\n\n" + table(head, rows) + "\n" if rows else ""
+
+
 def render_file(path: Path, renderer: Callable[[dict], str], level: str = "###") -> str:
     data = json.loads(path.read_text())
     return f"{level} `{path.name}`\n\n{meta_lines(path.name, data.get('meta', {}))}\n\n{renderer(data)}\n"
@@ -439,6 +465,8 @@ def render(results: Path = RESULTS) -> str:
                 if path.name not in seen:
                     seen.add(path.name)
                     parts.append(render_file(path, renderer, level))
+        if heading.startswith("## Model families"):
+            parts.append(family_summary(results))
     unknown = sorted(p.name for p in results.glob("*.json") if p.name not in seen)
     if unknown:
         raise SystemExit(f"no section in benchmarks/report.py for {', '.join(unknown)}: add one to SECTIONS")
