@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 # released name -> its family ("Qwen2.5-VL-7B" -> qwen2.5-vl, "Qwen3-VL-8B" -> qwen3-vl)
-PRESETS: dict[str, ModelFamily] = {name: family for family in FAMILIES.values() for name in family.released()}
+PRESETS: dict[str, ModelFamily] = {name: family for family in FAMILIES.values() for name in family.released}
 
 
 def preset_key(name: str) -> str | None:

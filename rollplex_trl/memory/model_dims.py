@@ -3,7 +3,7 @@
 Presets are the public ``config.json`` values of the Qwen2.5-VL-{3B,7B,32B,72B} and Qwen3-VL-{2B,4B,8B,32B}
 Instruct checkpoints (each family's adapter in rollplex_trl/models/ holds its own; no weights are read). The
 vision tower's layout (gated or plain MLP, RMSNorm or LayerNorm, learned position embeddings, DeepStack mergers)
-comes from the family's `vision_dims`; counts are tested against the real modules built on the meta device. The 32B
+comes from the family's `vision_layout`; counts are tested against the real modules built on the meta device. The 32B
 figures are cross-checked in docs/sharding.md, "The per-logical-matrix accounting" (exact count: 33,452,718,336
 parameters = LLM 32,763,876,352 + vision 688,841,984), and ``ModelDims.num_params()`` reproduces that count (tested).
 """
@@ -166,10 +166,12 @@ def dims_from_config(config: PretrainedConfig, name: str) -> ModelDims:
     family = family_for(config)
     vision = None
     vc = getattr(config, "vision_config", None)
-    if vc is not None and family is not None:
-        vision = family.vision_dims(vc)
-    elif vc is not None:  # a VL config no adapter claims (Qwen2-VL): read it as Qwen2.5-VL's layout
+    if vc is not None:
+        # a VL config no adapter claims (Qwen2-VL) is read with Qwen2.5-VL's layout
+        layout = family.vision_layout if family is not None else None
         vit_hidden = getattr(vc, "hidden_size", None) or vc.embed_dim
+        positions = getattr(vc, layout.position_embeddings_field) if layout and layout.position_embeddings_field else 0
+        deepstack = len(getattr(vc, layout.deepstack_field)) if layout and layout.deepstack_field else 0
         vision = VisionDims(
             depth=vc.depth,
             hidden=vit_hidden,
@@ -180,6 +182,10 @@ def dims_from_config(config: PretrainedConfig, name: str) -> ModelDims:
             merge=getattr(vc, "spatial_merge_size", 2),
             out_hidden=getattr(vc, "out_hidden_size", None) or text.hidden_size,
             in_channels=getattr(vc, "in_channels", None) or getattr(vc, "in_chans", 3),
+            gated_mlp=layout.gated_mlp if layout else True,
+            layer_norm=layout.layer_norm if layout else False,
+            position_embeddings=positions,
+            deepstack_levels=deepstack,
         )
     tied = getattr(config, "tie_word_embeddings", None)
     if tied is None:

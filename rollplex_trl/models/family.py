@@ -16,13 +16,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from rollplex_trl.memory.model_dims import VisionDims
-    from rollplex_trl.testing.checkpoints import Preset
+    from rollplex_trl.testing.tiny import Preset
+
+
+@dataclass(frozen=True)
+class VisionLayout:
+    """How a family's vision tower is built, for the memory planner's parameter counts (memory/model_dims.py reads
+    the sizes from the `vision_config`): a gated (SwiGLU) or plain MLP, RMSNorm or LayerNorm (with bias; then the
+    patch embedding has a bias too), and the `vision_config` fields holding the learned position embeddings' count and
+    the DeepStack levels (one merger each), if any."""
+
+    gated_mlp: bool
+    layer_norm: bool
+    position_embeddings_field: str | None = None
+    deepstack_field: str | None = None
 
 
 @dataclass(frozen=True)
@@ -38,8 +50,9 @@ class ModelFamily:
     - `megatron_refusal`: None when the Megatron backend builds this family; otherwise why it does not (the message
       the backend and `plan-sharding` raise at construction).
     - `text_qk_norm`, `text_qkv_bias`: the language model's attention layout, for the memory planner's counts.
-    - `vision_dims`: the vision tower's dimensions for the memory planner, from its `vision_config`.
-    - `released`: the released checkpoints' shapes (name -> config without weights), for the planners.
+    - `vision_layout`: how its vision tower is built, for the memory planner (`VisionLayout`).
+    - `released`, `released_config`: the released checkpoints' names, and the config of one (no weights), for the
+      planners.
     - `build_checkpoint`: writes a tiny random local checkpoint of a test preset (config, weights, tokenizer,
       processor) with `save_pretrained`, for tests, benchmarks and the main job.
     """
@@ -52,8 +65,9 @@ class ModelFamily:
     megatron_refusal: str | None
     text_qk_norm: bool
     text_qkv_bias: bool
-    vision_dims: Callable[[Any], VisionDims]
-    released: Callable[[], dict[str, Callable[[], PretrainedConfig]]]
+    vision_layout: VisionLayout
+    released: tuple[str, ...]
+    released_config: Callable[[str], PretrainedConfig]
     build_checkpoint: Callable[[Path, Preset, int], None]
 
     def load_class(self) -> type:
@@ -64,9 +78,8 @@ class ModelFamily:
 
     def config_of(self, released_name: str) -> PretrainedConfig:
         """The config of one released checkpoint (no weights read)."""
-        shapes = self.released()
-        if released_name not in shapes:
-            raise KeyError(f"{self.name} has no released shape {released_name!r}; shapes: {', '.join(shapes)}")
-        config = shapes[released_name]()
+        if released_name not in self.released:
+            raise KeyError(f"{self.name} has no released shape {released_name!r}; shapes: {', '.join(self.released)}")
+        config = self.released_config(released_name)
         config._name_or_path = f"Qwen/{released_name}-Instruct"
         return config

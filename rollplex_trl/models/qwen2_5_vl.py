@@ -9,15 +9,14 @@ in contiguous sections with video time scaled by `second_per_grid_ts`. The Megat
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from rollplex_trl.models.family import ModelFamily
+from rollplex_trl.models.family import ModelFamily, VisionLayout
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from rollplex_trl.memory.model_dims import VisionDims
-    from rollplex_trl.testing.checkpoints import Preset
+    from rollplex_trl.testing.tiny import Preset
 
 # The released config.json values. Qwen2.5-VL-32B has 40 query heads (not 64: that is the 72B model), and the 3B/7B
 # vision MLP is 3420 wide (32B/72B: 3456).
@@ -48,18 +47,6 @@ def released_config(name: str) -> PretrainedConfig:
                             tie_word_embeddings=p["tie"])
 
 
-def _released() -> dict:
-    return {name: (lambda n=name: released_config(n)) for name in RELEASED}
-
-
-def vision_dims(vc: Any) -> VisionDims:
-    from rollplex_trl.memory.model_dims import VisionDims
-
-    return VisionDims(depth=vc.depth, hidden=vc.hidden_size, intermediate=vc.intermediate_size, heads=vc.num_heads,
-                      patch=vc.patch_size, temporal_patch=vc.temporal_patch_size, merge=vc.spatial_merge_size,
-                      out_hidden=vc.out_hidden_size, in_channels=vc.in_channels)
-
-
 def build_checkpoint(out_dir: Path, preset: Preset, seed: int) -> None:
     """A random Qwen2.5-VL of the test preset's sizes, Qwen2.5-VL's processor (per-frame pixel caps as qwen-vl-utils
     does), our small tokenizer and Qwen2.5-VL's chat template."""
@@ -69,7 +56,7 @@ def build_checkpoint(out_dir: Path, preset: Preset, seed: int) -> None:
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    from rollplex_trl.testing import checkpoints as ck
+    from rollplex_trl.testing import tiny as ck
 
     tokenizer = ck.build_tokenizer(preset.text.vocab_size)
     text_kwargs = ck.text_config_kwargs(preset.text, tokenizer, with_mrope=True)
@@ -116,7 +103,8 @@ FAMILY = ModelFamily(
     megatron_refusal=None,
     text_qk_norm=False,
     text_qkv_bias=True,
-    vision_dims=vision_dims,
-    released=_released,
+    vision_layout=VisionLayout(gated_mlp=True, layer_norm=False),
+    released=tuple(RELEASED),
+    released_config=released_config,
     build_checkpoint=build_checkpoint,
 )

@@ -18,15 +18,14 @@ M-RoPE): a named refusal at construction.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from rollplex_trl.models.family import ModelFamily
+from rollplex_trl.models.family import ModelFamily, VisionLayout
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from rollplex_trl.memory.model_dims import VisionDims
-    from rollplex_trl.testing.checkpoints import Preset
+    from rollplex_trl.testing.tiny import Preset
 
 # The released dense Qwen3-VL-*-Instruct config.json values (vocabulary 151,936, head_dim 128, 8 KV heads,
 # rope_theta 5e6, mrope_section [24, 20, 20] interleaved). Two vision towers: 24 blocks x 1024 (2B, 4B; DeepStack
@@ -60,20 +59,6 @@ def released_config(name: str) -> PretrainedConfig:
     return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=p["tie"])
 
 
-def _released() -> dict:
-    return {name: (lambda n=name: released_config(n)) for name in RELEASED}
-
-
-def vision_dims(vc: Any) -> VisionDims:
-    from rollplex_trl.memory.model_dims import VisionDims
-
-    return VisionDims(depth=vc.depth, hidden=vc.hidden_size, intermediate=vc.intermediate_size, heads=vc.num_heads,
-                      patch=vc.patch_size, temporal_patch=vc.temporal_patch_size, merge=vc.spatial_merge_size,
-                      out_hidden=vc.out_hidden_size, in_channels=vc.in_channels, gated_mlp=False, layer_norm=True,
-                      position_embeddings=vc.num_position_embeddings,
-                      deepstack_levels=len(vc.deepstack_visual_indexes))
-
-
 def build_checkpoint(out_dir: Path, preset: Preset, seed: int) -> None:
     """A random Qwen3-VL of the test preset's sizes with Qwen3-VL's own layout: 16-pixel patches (32 per merged
     token), interleaved M-RoPE, DeepStack from the tower's first blocks, at least 3 LLM layers so that every DeepStack
@@ -85,7 +70,7 @@ def build_checkpoint(out_dir: Path, preset: Preset, seed: int) -> None:
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-    from rollplex_trl.testing import checkpoints as ck
+    from rollplex_trl.testing import tiny as ck
 
     tokenizer = ck.build_tokenizer(preset.text.vocab_size)
     text_kwargs = ck.text_config_kwargs(preset.text, tokenizer, with_mrope=False)
@@ -140,7 +125,10 @@ FAMILY = ModelFamily(
                       "backend's megatron-core GPT model"),
     text_qk_norm=True,
     text_qkv_bias=False,
-    vision_dims=vision_dims,
-    released=_released,
+    vision_layout=VisionLayout(gated_mlp=False, layer_norm=True,
+                               position_embeddings_field="num_position_embeddings",
+                               deepstack_field="deepstack_visual_indexes"),
+    released=tuple(RELEASED),
+    released_config=released_config,
     build_checkpoint=build_checkpoint,
 )
