@@ -95,11 +95,14 @@ def varied_reward(completions, **kwargs):
 
 def video_grpo_run(path, dataset, out_dir, on, **extra):
     """Three fp32 video GRPO steps (lr 5e-3, beta 0.1, 2 steps per generation) on the model at `path`, with the shared
-    prefix, shared decode and the audit every step `on`, or all three off; the logged steps."""
+    prefix, shared decode, the prefix jobs in a concurrent decode window, phase-aware memory (reference and optimizer
+    state moved off between phases) and the audit every step `on`, or all of them off; the logged steps."""
     from rollplex_trl import RollplexGRPOConfig, RollplexGRPOTrainer
 
-    mechanisms = dict(rollplex_share_prefix="on", rollplex_shared_decode="on", rollplex_verify_every=1) if on else \
-        dict(rollplex_share_prefix="off", rollplex_shared_decode="off", rollplex_verify_every=0)
+    mechanisms = dict(rollplex_share_prefix="on", rollplex_shared_decode="on", rollplex_overlap="on",
+                      rollplex_memory="on", rollplex_verify_every=1) if on else \
+        dict(rollplex_share_prefix="off", rollplex_shared_decode="off", rollplex_overlap="off", rollplex_memory="off",
+             rollplex_verify_every=0)
     args = RollplexGRPOConfig(**{**dict(
         output_dir=str(out_dir), max_steps=3, per_device_train_batch_size=8, num_generations=4,
         max_completion_length=6, learning_rate=5e-3, beta=0.1, logging_steps=1, report_to=[], seed=11, use_cpu=True,

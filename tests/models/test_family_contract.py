@@ -9,8 +9,8 @@ or `trl.GRPOTrainer`:
   image prompts (fp32 1e-5; bf16 autocast 5e-2), and the gradient of every parameter, vision tower and merger(s)
   included (1e-4 relative);
 - the shared-prefill decode samples what the family's `generate` samples (greedy, token for token);
-- video GRPO with shared prefix, shared decode and the audit on equals the same run with them off, 3 steps in fp32
-  and the first generation batch under TRL's defaults (bf16 autocast, gradient checkpointing);
+- video GRPO with shared prefix, shared decode, overlap, phase-aware memory and the audit on equals the same run with
+  them off, 3 steps in fp32 and the first generation batch under TRL's defaults (bf16 autocast, checkpointing);
 - on images, `RollplexGRPOTrainer` trains as `trl.GRPOTrainer` does: 3 steps in fp32, and the first step under TRL's
   defaults (the same sampled completions, rewards equal, grad norm and entropy to bf16 rounding).
 """
@@ -163,6 +163,8 @@ def test_video_training_with_rollplex_equals_without(family, checkpoints, tmp_pa
         assert a["rollplex/prefix_rows_per_prompt"] > 1.0 and "rollplex/prefix_rows_per_prompt" not in b
         for key in (k for k in ("loss", "reward", "kl", "grad_norm", "entropy") if k in b):
             assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-6), (key, step)
+    windows = [r["rollplex/overlap_active"] for r in on if "rollplex/overlap_active" in r]
+    assert windows and all(active == 1.0 for active in windows)
     audited = [r for r in on if "rollplex/verify_within_tolerance" in r]
     assert audited and all(r["rollplex/verify_within_tolerance"] == 1.0 for r in audited)
     assert any(abs(r["loss"]) > 0 for r in off) and any(r["grad_norm"] > 0 for r in off)
