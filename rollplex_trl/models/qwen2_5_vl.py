@@ -51,7 +51,7 @@ def build_checkpoint(out_dir: Path, preset: Preset, seed: int) -> None:
     """A random Qwen2.5-VL of the test preset's sizes, Qwen2.5-VL's processor (per-frame pixel caps as qwen-vl-utils
     does), our small tokenizer and Qwen2.5-VL's chat template."""
     import torch
-    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_5_vl import Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
@@ -76,11 +76,7 @@ def build_checkpoint(out_dir: Path, preset: Preset, seed: int) -> None:
     )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config).to(getattr(torch, preset.dtype))
-    model.generation_config = GenerationConfig(
-        bos_token_id=ids[ck.ENDOFTEXT], eos_token_id=[ids[ck.IM_END], ids[ck.ENDOFTEXT]],
-        pad_token_id=ids[ck.ENDOFTEXT],
-    )
-    model.save_pretrained(out_dir)
+    ck.save_model(model, tokenizer, out_dir)
 
     pixel_kwargs = dict(min_pixels=preset.min_pixels, max_pixels=preset.max_pixels, patch_size=v.patch_size,
                         merge_size=v.spatial_merge_size, temporal_patch_size=v.temporal_patch_size)

@@ -66,7 +66,7 @@ def build_checkpoint(out_dir: Path, preset: Preset, seed: int) -> None:
     contribution is too small for a test to see a mistake in it. Qwen3-VL renders a video in the chat template as
     Qwen2.5-VL does; its processor adds a timestamp before each temporal patch."""
     import torch
-    from transformers import GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
@@ -96,11 +96,7 @@ def build_checkpoint(out_dir: Path, preset: Preset, seed: int) -> None:
             for weight in merger.parameters():
                 if weight.dim() > 1:
                     weight.mul_(10.0)
-    model.generation_config = GenerationConfig(
-        bos_token_id=ids[ck.ENDOFTEXT], eos_token_id=[ids[ck.IM_END], ids[ck.ENDOFTEXT]],
-        pad_token_id=ids[ck.ENDOFTEXT],
-    )
-    model.save_pretrained(out_dir)
+    ck.save_model(model, tokenizer, out_dir)
     unit = (patch * v.spatial_merge_size) ** 2  # pixels per merged token
     pixels = dict(patch_size=patch, merge_size=v.spatial_merge_size, temporal_patch_size=v.temporal_patch_size)
     processor = Qwen3VLProcessor(

@@ -37,6 +37,7 @@ from rollplex_trl.testing.tiny import (  # noqa: F401 (re-exported: tests and be
     TextPreset,
     VisionPreset,
     build_tokenizer,
+    save_model,
     special_token_ids,
     text_config_kwargs,
 )
@@ -54,17 +55,13 @@ ModelKind = Literal["qwen2_5_vl", "qwen2", "qwen3_vl", "qwen2.5-vl", "qwen3-vl"]
 # ----------------------------------------------------------------------------------------------------------------
 
 def _build_qwen2(out_dir: Path, preset: Preset, seed: int) -> None:
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tokenizer(preset.text.vocab_size)
     config = Qwen2Config(**text_config_kwargs(preset.text, tokenizer, with_mrope=False))
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(torch.float32)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (ENDOFTEXT, IM_END)}
-    model.generation_config = GenerationConfig(
-        bos_token_id=ids[ENDOFTEXT], eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT],
-    )
-    model.save_pretrained(out_dir)
+    save_model(model, tokenizer, out_dir)
     tokenizer.save_pretrained(out_dir)
 
 

@@ -209,3 +209,15 @@ def text_config_kwargs(p: TextPreset, tokenizer, with_mrope: bool) -> dict:
     if with_mrope:
         kwargs["rope_scaling"] = {"type": "default", "rope_type": "default", "mrope_section": list(p.mrope_section)}
     return kwargs
+
+
+def save_model(model, tokenizer, out_dir) -> None:
+    """Save a built model with Qwen's generation config (end of turn or text ends a completion; the pad token is
+    end of text)."""
+    from transformers import GenerationConfig
+
+    ids = special_token_ids(tokenizer)
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids[ENDOFTEXT], eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT],
+    )
+    model.save_pretrained(out_dir)
