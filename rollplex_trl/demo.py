@@ -1,6 +1,7 @@
 """The main job: Video-R1's pipeline in miniature, on a video task that needs the frames in order.
 
-1. builds (or reuses) a local Qwen2.5-VL checkpoint (the ``demo`` preset: random weights, no model hub);
+1. builds (or reuses) a local Qwen2.5-VL checkpoint (the ``demo`` preset: random weights, no model hub; ``--family
+   qwen3-vl``: a Qwen3-VL of the same sizes);
 2. writes the synthetic ``left_right`` task ("does the blue square move left or right?") as real MP4 clips, a train
    and a held-out split with disjoint scenes;
 3. a supervised cold start with TRL's ``SFTTrainer`` on ``<think>…</think><answer>…</answer>`` answers
@@ -71,7 +72,11 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     """The main job's options (``rollplex-trl demo --help``)."""
     parser.add_argument("--output-dir", default="runs/demo", help="where data, checkpoints and logs go")
     parser.add_argument("--preset", default="demo", choices=["tiny", "demo", "small"],
-                        help="size of the local Qwen2.5-VL")
+                        help="size of the local model")
+    from rollplex_trl.models.families import FAMILIES
+
+    parser.add_argument("--family", default="qwen2.5-vl", choices=list(FAMILIES),
+                        help="model family of the local checkpoint (models/families.py)")
     parser.add_argument("--sft-steps", type=_at_least(0), default=200,
                         help="supervised cold-start steps (0: no cold start)")
     parser.add_argument("--sft-learning-rate", type=float, default=5e-4)
@@ -83,7 +88,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--max-completion-length", type=_at_least(1), default=24)
     parser.add_argument("--frames", type=_at_least(2), default=8, help="frames per clip (and most frames sampled)")
     parser.add_argument("--size", type=_at_least(28), default=112, help="clip height and width in pixels")
-    parser.add_argument("--max-pixels", type=_at_least(784), default=56 * 56, help="pixels per sampled frame")
+    parser.add_argument("--max-pixels", type=_at_least(784), default=None,
+                        help="pixels per sampled frame (default: 2 x 2 merged tokens, 56 x 56 on Qwen2.5-VL, 64 x 64 "
+                        "on Qwen3-VL)")
     parser.add_argument("--learning-rate", type=float, default=5e-4, help="GRPO learning rate")
     parser.add_argument("--beta", type=float, default=0.0,
                         help="KL coefficient (TRL's default 0; Video-R1 uses 0.04: held-out 0.863 vs 0.883 at seed 0)")
@@ -106,6 +113,7 @@ def run_demo(args: argparse.Namespace) -> int:
     import torch
 
     from rollplex_trl.data import VideoSamplingConfig
+    from rollplex_trl.models.families import family_named, frame_factor
     from rollplex_trl.testing.checkpoints import get_checkpoint
 
     out = Path(args.output_dir).resolve()
@@ -113,12 +121,16 @@ def run_demo(args: argparse.Namespace) -> int:
     torch.set_num_threads(max(1, args.threads or (os.cpu_count() or 1)))
     started = time.perf_counter()
 
-    print(f"[rollplex-trl] building the local Qwen2.5-VL '{args.preset}' checkpoint (cached after the first run)")
-    model_path = get_checkpoint("qwen2_5_vl", args.preset)
+    family = family_named(args.family)
+    print(f"[rollplex-trl] building the local {family.name} '{args.preset}' checkpoint (cached after the first run)")
+    model_path = get_checkpoint(family.model_type, args.preset)
     train, heldout = _write_data(args, out)
-    sampling = VideoSamplingConfig(max_frames=args.frames, max_pixels=args.max_pixels,
-                                   min_pixels=min(args.max_pixels, 4 * 28 * 28))
     random_model, processor = _load(model_path)
+    factor = frame_factor(processor) or 28  # one merged token is factor x factor pixels
+    if args.max_pixels is None:
+        args.max_pixels = (2 * factor) ** 2
+    sampling = VideoSamplingConfig(max_frames=args.frames, max_pixels=args.max_pixels,
+                                   min_pixels=min(args.max_pixels, 4 * factor**2), image_factor=factor)
     evaluate = _Evaluator(heldout, sampling, args, processor)
 
     torch.manual_seed(args.seed)

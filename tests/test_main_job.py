@@ -11,6 +11,26 @@ from rollplex_trl.cli import build_parser, main
 from rollplex_trl.demo import add_demo_arguments, answer_mention_reward
 
 
+def test_demo_runs_on_qwen3_vl(tmp_path, monkeypatch, capsys):
+    """`--family qwen3-vl`: the main job on a Qwen3-VL of the same sizes, frames at 2 x 2 merged 32-pixel tokens;
+    every stage runs and the checkpoint loads as Qwen3-VL. (What it learns: docs/main-job.md, 3 seeds.)"""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    monkeypatch.setenv("ROLLPLEX_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "demo"
+    argv = ["demo", "--family", "qwen3-vl", "--output-dir", str(out), "--preset", "tiny", "--sft-steps", "1",
+            "--steps", "1", "--num-samples", "4", "--heldout-samples", "2", "--eval-samples", "2",
+            "--prompts-per-step", "2", "--num-generations", "4", "--threads", "2"]
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["heldout"]) == ["random", "SFT", "GRPO"]
+    model = Qwen3VLForConditionalGeneration.from_pretrained(out / "checkpoints" / "checkpoint-1")
+    assert model.config.model_type == "qwen3_vl"
+    sampling = model.config.rollplex_video_sampling
+    assert sampling["max_pixels"] == 64 * 64 and sampling["image_factor"] == 32
+    assert "qwen3-vl 'tiny' checkpoint" in capsys.readouterr().out
+
+
 def test_demo_runs_every_stage(tmp_path, monkeypatch, capsys):
     """A short main job: SFT, GRPO, the held-out table, results.json, both pictures and a loadable checkpoint."""
     monkeypatch.setenv("ROLLPLEX_CACHE", str(tmp_path / "cache"))

@@ -112,12 +112,21 @@ def processor_video_sampling(processor: Any) -> dict[str, Any]:
     video = _video_processor(processor)
     if video is None:
         raise ValueError(f"{type(processor).__name__} has no video processor; use rollplex_video_sampling='config'")
+    capped = bool(getattr(video, "cap_pixels_per_frame", None))  # transformers' qwen-vl-utils-style budget
     low, high = _size_bounds(video)
+    factor = frame_factor(processor) or 1
     fields: dict[str, Any] = dict(fps=float(getattr(video, "fps", None) or DEFAULT_VIDEO_FPS),
                                   min_frames=int(video.min_frames), max_frames=int(video.max_frames))
     if bounds_whole_clip(processor):
-        fields.update(min_pixels=(frame_factor(processor) or 1) ** 2, max_pixels=high, clip_min_pixels=low,
-                      clip_max_pixels=high)
+        if capped:
+            # Qwen3-VL's cap floors each frame's budget at 1.05 x the clip's minimum, which these bounds cannot
+            # express: refused rather than sampled differently from the processor
+            raise ValueError(f"rollplex_video_sampling='processor' does not reproduce {type(video).__name__}'s "
+                             "cap_pixels_per_frame=True yet; set it to False in the processor, or use "
+                             "rollplex_video_sampling='config' with rollplex_video_max_pixels")
+        fields.update(min_pixels=factor**2, max_pixels=high, clip_min_pixels=low, clip_max_pixels=high)
     else:
         fields.update(min_pixels=low, max_pixels=high)
+        if capped:  # Qwen2-VL's cap is qwen-vl-utils' total_pixels: 90% of max_video_tokens' pixels, shared per frame
+            fields["total_pixels"] = int(video.max_video_tokens * factor * factor * 0.9)
     return fields

@@ -104,8 +104,10 @@ def build_checkpoint(out_dir: Path, preset: Preset, seed: int) -> None:
         image_processor=Qwen2VLImageProcessor(**pixels, size={"shortest_edge": 4 * unit,
                                                                "longest_edge": preset.max_pixels // 28**2 * unit}),
         tokenizer=tokenizer,
-        # Qwen3-VL's video processor bounds the whole clip (frames x height x width), not each frame
-        video_processor=Qwen3VLVideoProcessor(**pixels, size={"shortest_edge": 4 * unit, "longest_edge": 512 * unit}),
+        # Qwen3-VL's video processor bounds the whole clip (frames x height x width), not each frame; its
+        # uncapped behaviour chosen explicitly (transformers warns while the default is unset)
+        video_processor=Qwen3VLVideoProcessor(**pixels, size={"shortest_edge": 4 * unit, "longest_edge": 512 * unit},
+                                              cap_pixels_per_frame=False),
         chat_template=ck.QWEN2_5_VL_CHAT_TEMPLATE,
     )
     processor.save_pretrained(out_dir)

@@ -45,7 +45,7 @@ from rollplex_trl.testing.tiny import (  # noqa: F401 (re-exported: tests and be
 logger = logging.getLogger(__name__)
 
 # Bump when the builders change in a way that changes what they write: cached checkpoints are keyed by it.
-BUILDER_VERSION = 4
+BUILDER_VERSION = 5
 
 # a model type, or a registered family's name ("qwen3-vl" = "qwen3_vl")
 ModelKind = Literal["qwen2_5_vl", "qwen2", "qwen3_vl", "qwen2.5-vl", "qwen3-vl"]

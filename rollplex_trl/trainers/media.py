@@ -9,7 +9,7 @@ not carry); otherwise they take TRL's own path. With vLLM the rows also keep the
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import datasets
@@ -27,16 +27,16 @@ from rollplex_trl.data.prepared import (
     has_video_column,
 )
 from rollplex_trl.data.video import VideoSamplingConfig
+from rollplex_trl.models.families import frame_factor, processor_video_sampling
 
 
 def media_options(options: dict[str, Any], chat_template: str | None, chat_template_kwargs: dict | None,
                   processor: Any = None) -> MediaOptions:
-    """The `rollplex_*` media fields as the data module's options. With `rollplex_video_sampling="processor"` the
-    frame sampling is the processor's own (models/families.py `processor_video_sampling`); without a processor to
-    read it from (a text model), the fields' defaults stand, and a video dataset is refused later anyway."""
+    """The `rollplex_*` media fields as the data module's options, frames at the processor's patch multiple. With
+    `rollplex_video_sampling="processor"` the frame sampling is the processor's own (models/families.py
+    `processor_video_sampling`); without a processor to read it from (a text model), the fields' defaults stand, and
+    a video dataset is refused later anyway."""
     if options.get("rollplex_video_sampling", "config") == "processor" and processor is not None:
-        from rollplex_trl.models.families import processor_video_sampling
-
         sampling = VideoSamplingConfig(**processor_video_sampling(processor))
     else:
         sampling = VideoSamplingConfig(
@@ -44,6 +44,9 @@ def media_options(options: dict[str, Any], chat_template: str | None, chat_templ
             max_frames=options["rollplex_video_max_frames"], min_pixels=options["rollplex_video_min_pixels"],
             max_pixels=options["rollplex_video_max_pixels"],
         )
+    factor = frame_factor(processor) if processor is not None else None
+    if factor is not None:  # frames at the multiple the model patches (recorded in the checkpoint as such)
+        sampling = replace(sampling, image_factor=factor)
     return MediaOptions(
         sampling=sampling,
         max_prompt_length=options["rollplex_max_prompt_length"],

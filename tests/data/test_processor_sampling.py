@@ -47,9 +47,17 @@ def _their_grid(processor, frames: torch.Tensor, fps: float) -> list[int]:
 
 
 @pytest.mark.parametrize("clip", list(CLIPS))
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen2.5-vl capped"])
 def test_frames_sampled_as_the_family_processor_samples_them(processors, tmp_path, family, clip):
-    _, processor = processors[family]
+    """"qwen2.5-vl capped": the tiny Qwen2.5-VL's processor has transformers' `cap_pixels_per_frame=True` (the
+    qwen-vl-utils total budget); with `max_video_tokens` lowered to 64 that budget binds on both clips."""
+    import copy
+
+    processor = processors[family.removesuffix(" capped")][1]
+    if family.endswith("capped"):
+        assert processor.video_processor.cap_pixels_per_frame
+        processor = copy.deepcopy(processor)
+        processor.video_processor.max_video_tokens = 64
     n, h, w = CLIPS[clip]
     path = write_mp4(tmp_path / "clip.mp4", num_frames=n, height=h, width=w, fps=4)
     options = media_options(dict(RollplexGRPOConfig(output_dir=str(tmp_path), rollplex_video_sampling="processor",
@@ -62,9 +70,11 @@ def test_frames_sampled_as_the_family_processor_samples_them(processors, tmp_pat
     prepared = MediaPreparer(processor, options).prepare_row(row, "0")[PREPARED_KEY]
     ours = prepared.video_grid_thw[0].tolist()
     assert ours == _their_grid(processor, _decoded(path), sampling.fps)
-    if clip == "over the budget" and FAMILIES[family].bounds_whole_clip:
-        # the clip budget bound: the frames were shrunk below their source size, as Qwen3-VL's processor does
-        assert ours[1] * ours[2] * 16**2 < h * w
+    patch = processor.video_processor.patch_size
+    if (clip == "over the budget" and family == "qwen3-vl") or family.endswith("capped"):
+        # the budget bound: the frames were shrunk below their source size, as the processor does
+        assert ours[1] * ours[2] * patch**2 < h * w
+        assert sampling.clip_max_pixels is not None or sampling.total_pixels is not None
 
 
 def test_processor_sampling_differs_from_the_config_defaults_where_the_processor_says_so(processors):
@@ -77,6 +87,8 @@ def test_processor_sampling_differs_from_the_config_defaults_where_the_processor
     size = processors["qwen2.5-vl"][1].video_processor.size
     assert (qwen25["min_pixels"], qwen25["max_pixels"]) == (size.shortest_edge, size.longest_edge)
     assert "clip_max_pixels" not in qwen25 and qwen25["fps"] == 2.0  # Qwen2-VL's processor has no fps: qwen-vl-utils'
+    video = processors["qwen2.5-vl"][1].video_processor  # capped: qwen-vl-utils' total budget, 90% of the tokens
+    assert qwen25["total_pixels"] == int(video.max_video_tokens * 28 * 28 * 0.9)
     assert VideoSamplingConfig(**qwen3) != VideoSamplingConfig()
 
 
@@ -101,3 +113,14 @@ def test_processor_sampling_refuses_fields_it_would_ignore(tmp_path):
     with pytest.raises(ValueError, match="rollplex_video_max_frames.*rollplex_video_sampling='config'"):
         RollplexGRPOConfig(output_dir=str(tmp_path), rollplex_video_sampling="processor",
                            rollplex_video_max_frames=32)
+
+
+def test_a_capped_processor_is_refused_not_approximated(processors):
+    """transformers' `cap_pixels_per_frame=True` floors each frame's budget at 1.05 x the clip minimum, which the
+    sampling cannot express: 'processor' mode refuses it by name instead of sampling differently."""
+    import copy
+
+    processor = copy.deepcopy(processors["qwen3-vl"][1])
+    processor.video_processor.cap_pixels_per_frame = True
+    with pytest.raises(ValueError, match="cap_pixels_per_frame=True"):
+        processor_video_sampling(processor)
