@@ -46,3 +46,24 @@ def test_checkpoint_cache_is_reused(checkpoint_cache):
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert get_checkpoint("qwen2", "tiny", cache_dir=checkpoint_cache) == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_build_checkpoint_cli_takes_a_family(tmp_path, family):
+    """`rollplex-trl build-checkpoint --family F` writes that family's checkpoint (model type, processor), the same
+    one `get_checkpoint` builds (identical weights); an unknown family is refused by argparse."""
+    from safetensors.torch import load_file
+
+    from rollplex_trl.cli import main
+    from rollplex_trl.models.families import family_named
+
+    out = tmp_path / family
+    assert main(["build-checkpoint", "--family", family, "--output-dir", str(out)]) == 0
+    expected = family_named(family)
+    assert AutoConfig.from_pretrained(out).model_type == expected.model_type
+    assert type(AutoProcessor.from_pretrained(out).video_processor).__name__ == expected.video_processor_class
+    cached = get_checkpoint(expected.model_type, "tiny", cache_dir=tmp_path / "cache")
+    ours, theirs = load_file(out / "model.safetensors"), load_file(cached / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all((ours[k] == theirs[k]).all() for k in ours)
+    with pytest.raises(SystemExit):
+        main(["build-checkpoint", "--family", "llava", "--output-dir", str(tmp_path / "x")])
