@@ -47,13 +47,21 @@ class Hardware:
     layer_overhead_s: float = 0.0  # per decoder layer per forward call (kernel launches; 0: CUDA graphs)
     call_overhead_s: float = 0.0  # per forward call outside the layers (embedding, head, framework)
     decode_step_overhead_s: float = 0.0  # per generated token of the engine's loop (sampling, scheduling)
+    vision_block_overhead_s: float = 0.0  # per vision-tower block per video run (window attention's small ops)
     fp32_flops: float | None = None  # CPU: fp32 matmul rate where it differs (the benchmarks run fp32)
+    attention_flops: float | None = None  # CPU: achieved rate of the attention kernels (GPUs: the GEMM rate)
+    fp32_attention_flops: float | None = None
     source: str = ""
 
     def flops(self, precision: str = "bf16") -> float:
         """Achieved FLOP/s of a GEMM-bound phase at `precision`."""
         peak = self.fp32_flops if precision == "fp32" and self.fp32_flops else self.peak_flops
         return peak * self.mfu
+
+    def attention_rate(self, precision: str = "bf16") -> float:
+        """Achieved FLOP/s of the attention products (fused kernels), where measured apart from the GEMMs."""
+        rate = self.fp32_attention_flops if precision == "fp32" else self.attention_flops
+        return rate * self.mfu if rate else self.flops(precision)
 
     def bandwidth(self) -> float:
         return self.mem_bw * self.mbu

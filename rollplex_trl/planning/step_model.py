@@ -40,7 +40,7 @@ from rollplex_trl.memory.model_dims import ModelDims
 from rollplex_trl.planning.hardware import Hardware
 from rollplex_trl.prefix.cost import attention_flops_per_pair, linear_flops_per_token, vision_flops_per_visual_token
 
-ELEMENTWISE_PASSES = 2  # a forward writes each saved activation once and the next op reads it (backward: twice that)
+ELEMENTWISE_PASSES = 2  # scales the counted elementwise traffic (2 = as counted: one read or write per value each)
 OPTIMIZER_BYTES_PER_PARAM = 30  # AdamW on a shard: grad read 4, master r/w 8, m and v r/w 16, bf16 param write 2
 PERMANENT_BYTES_PER_PARAM = 12  # fp32 master + two fp32 moments: what the streamed optimizer moves each way
 
@@ -87,6 +87,7 @@ class StepSpec:
     max_num_seqs: int = 256  # the rollout engine's batch: more sequences decode in waves
     incompatible_fraction: float = 0.072  # rollout parameters whose layout differs (plan-sharding: 7.0% at 8 -> 4)
     prefill_feeds_actor: bool = False  # transformers engine: the actor's prefix is the rollout prefill (no vLLM)
+    weight_sync: bool = True  # False: the rollout model is the policy (the hf backend): nothing to sync or offload
 
     def __post_init__(self) -> None:
         if self.precision not in ("bf16", "fp32"):
@@ -120,11 +121,14 @@ class PhaseCost:
     lane: str  # rollout, prefix (the decode window's jobs), train, optimizer, sync
     memory_phase: str  # the memory planner's phase it runs in (rollout, score, train, optimizer, sync)
     flops: float = 0.0
+    attention_flops: float = 0.0  # of `flops`: the q.k and p.v products (their own rate on CPU)
     vision_flops: float = 0.0  # of `flops`: the vision tower's (replicated over training TP: not split)
-    mem_bytes: float = 0.0
+    mem_bytes: float = 0.0  # read by the GEMM/attention kernels themselves: weights, K/V (overlaps their compute)
+    elementwise_bytes: float = 0.0  # norms, RoPE, SwiGLU, residuals, logits: separate memory-bound kernels
     link_bytes: float = 0.0
     compute_s: float = 0.0
     memory_s: float = 0.0
+    elementwise_s: float = 0.0
     link_s: float = 0.0
     overhead_s: float = 0.0
     seconds: float = 0.0
@@ -186,16 +190,58 @@ def decode_bytes(dims: ModelDims, spec: StepSpec, prompts: float, shared: bool) 
     return weights, (prompt_reads + own) * kv
 
 
-def forward_flops(dims: ModelDims, tokens: float, pairs: float, visual: float, scored: float) -> float:
+@dataclass(frozen=True)
+class Work:
+    """Forward FLOPs by kind: linear (projections, MLPs, LM head), attention products, vision-tower blocks."""
+
+    linear: float = 0.0
+    attention: float = 0.0
+    vision: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.linear + self.attention + self.vision
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.linear + other.linear, self.attention + other.attention, self.vision + other.vision)
+
+    def __mul__(self, k: float) -> Work:
+        return Work(self.linear * k, self.attention * k, self.vision * k)
+
+
+def forward_work(dims: ModelDims, tokens: float, pairs: float, visual: float, scored: float) -> Work:
     """Forward FLOPs of `tokens` through the decoder, `pairs` (query, key) attention pairs, `visual` merged visual
     tokens through the vision tower and `scored` positions through the LM head (prefix/cost.py's terms)."""
-    return (tokens * linear_flops_per_token(dims) + pairs * attention_flops_per_pair(dims)
-            + visual * vision_flops_per_visual_token(dims) + scored * head_flops_per_token(dims))
+    return Work(tokens * linear_flops_per_token(dims) + scored * head_flops_per_token(dims),
+                pairs * attention_flops_per_pair(dims), visual * vision_flops_per_visual_token(dims))
+
+
+def forward_flops(dims: ModelDims, tokens: float, pairs: float, visual: float, scored: float) -> float:
+    return forward_work(dims, tokens, pairs, visual, scored).total
+
+
+def elementwise_values_per_token(dims: ModelDims, tp: int = 1) -> float:
+    """Values one token's forward reads and writes outside the GEMM and attention kernels, all decoder layers, on
+    one of `tp` ranks (sequence parallel: hidden-sized ones split too), as transformers' Qwen2 layer runs them:
+    two RMSNorms in fp32 (cast, square, mean, scale, weight: ~8 hidden-sized passes each), RoPE on q and k (two
+    products, rotate-half's slice, negation and concatenation, a sum: ~8 passes of (heads + kv_heads) x head_dim),
+    SwiGLU (SiLU reads and writes, the product reads two and writes one: 5 x intermediate), two residual adds
+    (read two, write one: 6 x hidden)."""
+    per_layer = (22 * dims.hidden + 8 * (dims.heads + dims.kv_heads) * dims.head_dim + 5 * dims.intermediate) / tp
+    return ELEMENTWISE_PASSES / 2 * dims.layers * per_layer
+
+
+def vision_elementwise_values_per_visual_token(dims: ModelDims) -> float:
+    """The same for the vision tower's blocks, per merged visual token (merge**2 patches; q and k rotated)."""
+    if dims.vision is None:
+        return 0.0
+    v = dims.vision
+    return ELEMENTWISE_PASSES / 2 * v.depth * v.merge**2 * (22 * v.hidden + 16 * v.hidden + 5 * v.intermediate)
 
 
 def activation_bytes_per_token(dims: ModelDims, tp: int, value_bytes: int) -> float:
-    """Activation bytes one token moves through memory in one forward on one of `tp` ranks (all layers)."""
-    return ELEMENTWISE_PASSES * dims.layers * dims.layer_activation_values_per_token(tp, False) * value_bytes
+    """Elementwise bytes one token moves through memory in one forward on one of `tp` ranks (all layers)."""
+    return elementwise_values_per_token(dims, tp) * value_bytes
 
 
 def allreduce_bytes(group: int, message: float) -> float:
@@ -211,23 +257,29 @@ class _Pricer:
         self.dims, self.spec, self.hw = dims, spec, hw
 
     def price(self, cost: PhaseCost, tp: int, calls: float = 0.0, steps: float = 0.0, collectives: float = 0.0,
-              link_group: int = 1, link_bw: float | None = None, vision_tp: int | None = None) -> PhaseCost:
-        """Seconds of `cost` on one GPU of a `tp` group: compute and memory overlap (the larger counts), links and
-        overheads add. `calls`: forward calls (each pays its layers' and its own overhead); `steps`: decode steps
-        (each pays the engine's per-token overhead); `collectives`: how many collectives the link time pays a
-        latency for; `vision_tp`: ranks the vision tower's FLOPs split over (default `tp`)."""
+              link_group: int = 1, link_bw: float | None = None, vision_tp: int | None = None,
+              vision_runs: float = 0.0) -> PhaseCost:
+        """Seconds of `cost` on one GPU of a `tp` group: a GEMM's compute and the bytes it reads overlap (the larger
+        counts); elementwise kernels, links and overheads add. `calls`: forward calls (each pays its layers' and its
+        own overhead); `steps`: decode steps (each pays the engine's per-token overhead); `collectives`: how many
+        collectives the link time pays a latency for; `vision_tp`: ranks the vision tower's FLOPs split over
+        (default `tp`); `vision_runs`: vision-tower runs (each pays its blocks' overhead)."""
         hw, dims = self.hw, self.dims
-        rate = hw.flops(self.spec.precision)
+        rate, attn_rate = hw.flops(self.spec.precision), hw.attention_rate(self.spec.precision)
         vit = vision_tp or tp
-        cost.compute_s = ((cost.flops - cost.vision_flops) / (tp * rate) + cost.vision_flops / (vit * rate)
-                          if cost.flops else 0.0)
-        cost.memory_s = cost.mem_bytes / hw.bandwidth() if cost.mem_bytes else 0.0
+        linear = cost.flops - cost.vision_flops - cost.attention_flops
+        cost.compute_s = (linear / (tp * rate) + cost.attention_flops / (tp * attn_rate)
+                          + cost.vision_flops / (vit * rate))
+        cost.memory_s = cost.mem_bytes / hw.bandwidth()
+        cost.elementwise_s = cost.elementwise_bytes / hw.bandwidth()
         bw = link_bw if link_bw is not None else hw.link_bw(link_group)
         cost.link_s = (cost.link_bytes / bw if cost.link_bytes else 0.0) + collectives * hw.collective_latency_s
         cost.overhead_s = (calls * (hw.call_overhead_s + dims.layers * hw.layer_overhead_s)
-                           + steps * hw.decode_step_overhead_s)
-        cost.seconds = max(cost.compute_s, cost.memory_s) + cost.link_s + cost.overhead_s
-        parts = {"compute": cost.compute_s, "memory": cost.memory_s, "link": cost.link_s, "overhead": cost.overhead_s}
+                           + steps * hw.decode_step_overhead_s
+                           + vision_runs * (dims.vision.depth if dims.vision else 0) * hw.vision_block_overhead_s)
+        cost.seconds = max(cost.compute_s, cost.memory_s) + cost.elementwise_s + cost.link_s + cost.overhead_s
+        parts = {"compute": cost.compute_s, "memory": cost.memory_s + cost.elementwise_s, "link": cost.link_s,
+                 "overhead": cost.overhead_s}
         cost.bound = max(parts, key=parts.get)
         return cost
 
@@ -248,29 +300,39 @@ def predict_step(dims: ModelDims, spec: StepSpec, hw: Hardware, schedule: str | 
 
     phases: list[PhaseCost] = []
 
-    # rollout prefill: prompts once (shared) or G times, each with its vision-tower run
+    def elementwise(tokens: float, visual: float, tp: int, vit_tp: int) -> float:
+        return (tokens * elementwise_values_per_token(dims, tp)
+                + visual * vision_elementwise_values_per_visual_token(dims) / vit_tp) * vb
+
+    def cost(name: str, lane: str, memory_phase: str, work: Work, mem: float, elem: float) -> PhaseCost:
+        return PhaseCost(name, lane, memory_phase, flops=work.total, attention_flops=work.attention,
+                         vision_flops=work.vision, mem_bytes=mem, elementwise_bytes=elem)
+
+    # rollout prefill: prompts once (shared) or G times, each with its vision-tower run (vLLM: ViT split over r)
     copies = 1 if mech.shared_prefill else G
     tokens = ne * copies * P
-    c = PhaseCost("rollout_prefill", "rollout", "rollout",
-                  flops=forward_flops(dims, tokens, ne * copies * P * P / 2, ne * copies * V, ne * G),
-                  vision_flops=ne * copies * V * vision_flops_per_visual_token(dims),
-                  mem_bytes=decoder_weight_bytes(dims, R, vb) + tokens * activation_bytes_per_token(dims, R, vb))
+    c = cost("rollout_prefill", "rollout", "rollout",
+             forward_work(dims, tokens, ne * copies * P * P / 2, ne * copies * V, ne * G),
+             decoder_weight_bytes(dims, R, vb), elementwise(tokens, ne * copies * V, R, R))
     c.link_bytes, n = tp_comm(R, tokens, 1)
-    phases.append(pr.price(c, R, calls=1, collectives=n, link_group=R))
+    phases.append(pr.price(c, R, calls=1, collectives=n, link_group=R, vision_runs=ne * copies if V else 0))
 
     # rollout decode: memory-bound reads of weights and K/V per generated token
     w_bytes, kv_bytes = decode_bytes(dims, spec, ne, mech.shared_decode)
     seqs = ne * G
     pairs = seqs * (C * P + C * (C + 1) / 2)
-    c = PhaseCost("rollout_decode", "rollout", "rollout",
-                  flops=forward_flops(dims, seqs * C, pairs, 0.0, seqs * C), mem_bytes=w_bytes + kv_bytes)
+    c = cost("rollout_decode", "rollout", "rollout", forward_work(dims, seqs * C, pairs, 0.0, seqs * C),
+             w_bytes + kv_bytes, elementwise(seqs * C, 0.0, R, R))
     c.link_bytes, _ = tp_comm(R, seqs * C, 1)
     waves = max(1, math.ceil(seqs / spec.max_num_seqs))
     phases.append(pr.price(c, R, calls=C * waves, steps=C * waves, collectives=2 * L * C * waves if R > 1 else 0,
                            link_group=R))
     decode = phases[-1]
 
-    # the prefix forwards (Rollplex): reference, old, actor over P tokens per prompt, vision once, training layout
+    # the prefix forwards (Rollplex): reference, old, actor over P - 1 tokens per prompt, vision once, training
+    # layout (ViT replicated over training TP)
+    prefix_work = forward_work(dims, nt * (P - 1), nt * (P - 1) ** 2 / 2, nt * V, 0.0)
+    prefix_elem = elementwise(nt * (P - 1), nt * V, T, 1)
     prefix_jobs: list[PhaseCost] = []
     if mech.shared_scoring:
         jobs = [("ref_prefix", spec.reference), ("old_prefix", spec.old_pass),
@@ -278,15 +340,13 @@ def predict_step(dims: ModelDims, spec: StepSpec, hw: Hardware, schedule: str | 
         for job, on in jobs:
             if not on:
                 continue
-            tok = nt * (P - 1)
-            c = PhaseCost(job, "prefix" if mech.overlap else "train", "rollout" if mech.overlap else "score",
-                          flops=forward_flops(dims, tok, nt * (P - 1) ** 2 / 2, nt * V, 0.0),
-                          vision_flops=nt * V * vision_flops_per_visual_token(dims),
-                          mem_bytes=dims.llm_params(T) * vb + tok * activation_bytes_per_token(dims, T, vb))
-            c.link_bytes, n = tp_comm(T, tok, 1)
-            prefix_jobs.append(pr.price(c, T, calls=nt, collectives=n, link_group=T, vision_tp=1))
+            c = cost(job, "prefix" if mech.overlap else "train", "rollout" if mech.overlap else "score",
+                     prefix_work, dims.llm_params(T) * vb, prefix_elem)
+            c.link_bytes, n = tp_comm(T, nt * (P - 1), 1)
+            prefix_jobs.append(pr.price(c, T, calls=nt, collectives=n, link_group=T, vision_tp=1,
+                                        vision_runs=nt if V else 0))
 
-    # scoring passes (forward, no grad) and the actor (forward + backward)
+    # scoring passes (forward, no grad) and the actor (forward, backward = 2 forwards, recompute = 1 more)
     def scoring(kind: str, grad: bool) -> PhaseCost:
         if mech.shared_scoring:
             rows = 1 + C
@@ -297,23 +357,23 @@ def predict_step(dims: ModelDims, spec: StepSpec, hw: Hardware, schedule: str | 
             tok = nt * G * (P + C)
             pair = nt * G * (P + C) ** 2 / 2
             vis = nt * G * V
-        passes = (3 + (1 if spec.recompute else 0)) if grad else 1  # forward, backward (2x), recompute
-        flops = passes * forward_flops(dims, tok, pair, vis, nt * G * C)
-        vis_flops = passes * vis * vision_flops_per_visual_token(dims)
-        mem = (dims.llm_params(T) * vb * (2 if grad else 1)
-               + tok * activation_bytes_per_token(dims, T, vb) * (1 + 2 * (passes - 1) / 3 if grad else 1)
-               + nt * G * C * dims.vocab / T * 4 * 2 * (2 if grad else 1))  # fp32 logits and log-softmax
-        calls = nt * G / spec.micro_batch * (2 if grad else 1)
+        passes = (3 + (1 if spec.recompute else 0)) if grad else 1
+        work = forward_work(dims, tok, pair, vis, nt * G * C) * passes
+        logits = nt * G * C * dims.vocab / T * 4 * 3  # fp32 logits, log-softmax, gather
+        elem = (elementwise(tok, vis, T, 1) + logits) * passes
+        mem = dims.llm_params(T) * vb * (3 if grad else 1)  # weights read per pass (forward, backward twice)
+        calls = nt * G / spec.micro_batch * (passes - 1 if grad else 1)
+        link_tokens = tok * passes
+        runs = (nt * G if vis else 0.0) * (passes - 1 if grad else 1)
         if grad and mech.shared_scoring:  # the prefix's backward (and recompute) in the train phase
-            pflops = forward_flops(dims, nt * (P - 1), nt * (P - 1) ** 2 / 2, nt * V, 0.0)
-            flops += (passes - 1) * pflops
-            vis_flops += (passes - 1) * nt * V * vision_flops_per_visual_token(dims)
-            mem += nt * (P - 1) * activation_bytes_per_token(dims, T, vb) * 2
-            tok += (passes - 1) / passes * nt * (P - 1)
-            calls += nt
-        c = PhaseCost(kind, "train", "train" if grad else "score", flops=flops, vision_flops=vis_flops, mem_bytes=mem)
-        c.link_bytes, n = tp_comm(T, tok, passes)
-        return pr.price(c, T, calls=calls, collectives=n, link_group=T, vision_tp=1)
+            work = work + prefix_work * (passes - 1)
+            elem += prefix_elem * (passes - 1)
+            link_tokens += nt * (P - 1) * (passes - 1)
+            calls += nt * (passes - 1)
+            runs += (nt if V else 0.0) * (passes - 1)
+        c = cost(kind, "train", "train" if grad else "score", work, mem, elem)
+        c.link_bytes, n = tp_comm(T, link_tokens, 1)
+        return pr.price(c, T, calls=calls, collectives=n * passes, link_group=T, vision_tp=1, vision_runs=runs)
 
     train_phases = []
     if spec.reference:
@@ -332,7 +392,7 @@ def predict_step(dims: ModelDims, spec: StepSpec, hw: Hardware, schedule: str | 
                   link_bytes=(allreduce_bytes(spec.train_dp, params_t * 4) / 2
                               + allreduce_bytes(spec.train_dp, params_t * vb) / 2))
     pr.price(c, 1, collectives=2 if spec.train_dp > 1 else 0, link_group=dp_span)
-    if mech.streamed_optimizer:  # chunks stream in and out while the previous one computes
+    if mech.streamed_optimizer and hw.host_bw > 0:  # chunks stream in and out while the previous one computes
         stream = shard * PERMANENT_BYTES_PER_PARAM / hw.host_bw
         if stream > c.memory_s:
             c.seconds += stream - c.memory_s
@@ -342,17 +402,17 @@ def predict_step(dims: ModelDims, spec: StepSpec, hw: Hardware, schedule: str | 
 
     # weight sync: the rollout copy rebuilt from the training shards (all of it, or the incompatible part);
     # serial colocation also reloads the permanent state before training and offloads it after (planner's serial)
-    frac = spec.incompatible_fraction if mech.weight_sharing else 1.0
+    frac = (spec.incompatible_fraction if mech.weight_sharing else 1.0) if spec.weight_sync else 0.0
     params_r = dims.llm_params(R) + dims.vision_params(R)
     rebuilt = params_r * vb * frac
     remote = max(0.0, 1 - R / T) if T > R else (1 - 1 / R if R > 1 else 0.0)
     c = PhaseCost("weight_sync", "sync", "sync", mem_bytes=2 * rebuilt, link_bytes=rebuilt * remote)
     pr.price(c, 1, collectives=1 if remote else 0, link_group=max(R, T))
-    if not mech.streamed_optimizer and not (spec.num_gpus == 1 and hw.host_bw <= 0):
+    if not mech.streamed_optimizer and hw.host_bw > 0 and spec.weight_sync:  # host_bw 0: no host (the CPU entry)
         offload = 2 * shard * PERMANENT_BYTES_PER_PARAM + 2 * params_t * vb  # state and weights, out and back
         c.link_bytes += offload
-        c.link_s += offload / hw.host_bw if hw.host_bw else 0.0
-        c.seconds += offload / hw.host_bw if hw.host_bw else 0.0
+        c.link_s += offload / hw.host_bw
+        c.seconds += offload / hw.host_bw
     sync = c
 
     # the schedule: rollout, then (Rollplex) the prefix jobs hidden in the decode window where decode leaves
