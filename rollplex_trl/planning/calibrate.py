@@ -152,7 +152,7 @@ def cpu_hardware(rates: dict[str, float], threads_share: float = 1.0) -> Hardwar
         attention_flops=rates["bf16_attention_flops"] * threads_share,
         fp32_attention_flops=rates["fp32_attention_flops"] * threads_share,
         mem_bw=bw, intra_bw=bw, inter_bw=bw, host_bw=0.0, mem_gib=1e9, gpus_per_node=64, mfu=1.0, mbu=1.0,
-        collective_latency_s=0.0, layer_overhead_s=rates["layer_overhead_s"],
+        collective_latency_s=0.0, overheads_occupy_compute=True, layer_overhead_s=rates["layer_overhead_s"],
         call_overhead_s=rates["call_overhead_s"], decode_step_overhead_s=rates["decode_step_overhead_s"],
         vision_block_overhead_s=rates.get("vision_block_overhead_s", 0.0),
         source="this machine, measured by planning/calibrate.py")

@@ -48,6 +48,7 @@ class Hardware:
     call_overhead_s: float = 0.0  # per forward call outside the layers (embedding, head, framework)
     decode_step_overhead_s: float = 0.0  # per generated token of the engine's loop (sampling, scheduling)
     vision_block_overhead_s: float = 0.0  # per vision-tower block per video run (window attention's small ops)
+    overheads_occupy_compute: bool = False  # CPU: Python and kernels share the cores (no idle compute to hide in)
     fp32_flops: float | None = None  # CPU: fp32 matmul rate where it differs (the benchmarks run fp32)
     attention_flops: float | None = None  # CPU: achieved rate of the attention kernels (GPUs: the GEMM rate)
     fp32_attention_flops: float | None = None

@@ -88,6 +88,7 @@ class StepSpec:
     incompatible_fraction: float = 0.072  # rollout parameters whose layout differs (plan-sharding: 7.0% at 8 -> 4)
     prefill_feeds_actor: bool = False  # transformers engine: the actor's prefix is the rollout prefill (no vLLM)
     weight_sync: bool = True  # False: the rollout model is the policy (the hf backend): nothing to sync or offload
+    autocast: bool = False  # fp32 weights under bf16 autocast (TRL's CPU default): every call casts the weights
 
     def __post_init__(self) -> None:
         if self.precision not in ("bf16", "fp32"):
@@ -271,6 +272,8 @@ class _Pricer:
         cost.compute_s = (linear / (tp * rate) + cost.attention_flops / (tp * attn_rate)
                           + cost.vision_flops / (vit * rate))
         cost.memory_s = cost.mem_bytes / hw.bandwidth()
+        if self.spec.autocast and calls:  # read the fp32 weights, write and read their bf16 copies, per call
+            cost.elementwise_bytes += calls * self.dims.llm_params(tp) * (4 + 2 + 2)
         cost.elementwise_s = cost.elementwise_bytes / hw.bandwidth()
         bw = link_bw if link_bw is not None else hw.link_bw(link_group)
         cost.link_s = (cost.link_bytes / bw if cost.link_bytes else 0.0) + collectives * hw.collective_latency_s
@@ -426,7 +429,9 @@ def predict_step(dims: ModelDims, spec: StepSpec, hw: Hardware, schedule: str | 
     hidden = 0.0
     ordered = [prefill, decode]
     if mech.overlap and prefix_jobs:
-        idle = decode.seconds - decode.compute_s  # the decode window's spare compute
+        # the decode window's spare compute: what its kernels leave idle; on a CPU the prefix jobs take cores the
+        # decode's own kernels and Python run on, so nothing is hidden (measured: decode slows by what the jobs take)
+        idle = 0.0 if hw.overheads_occupy_compute else decode.seconds - decode.compute_s
         js = t
         for job in prefix_jobs:
             job.start = js
