@@ -284,7 +284,7 @@ DOC_BEGIN, DOC_END = "<!-- plan-validation:begin -->", "<!-- plan-validation:end
 def markdown(out: dict) -> str:
     """The validation table for docs/planning.md (between its markers), from the JSON this script writes."""
     s, meta = out["summary"], out["meta"]
-    r = meta["rates"]
+    r = out["rates"]
     when = "in the same run as the calibration" if meta.get("measured_now") else "earlier (committed results)"
     lines = [
         f"Measured {when} · commit {meta.get('commit') or 'not recorded'} · {meta.get('cpu') or 'CPU not recorded'} · "
@@ -362,9 +362,8 @@ def main() -> None:
                "ratios": len(ratios), "ratios_within_15pct": sum(r["within"] for r in ratios),
                "max_abs_ratio_error": max(abs(r["error"]) for r in ratios)}
     measured = {name: json.loads((SOURCE["dir"] / name).read_text()).get("meta") for name in BENCHMARKS}
-    out = {"meta": run_meta() | {"rates": rates, "framework_s": extras, "measured_in": str(SOURCE["dir"]),
-                                 "measured_now": bool(args.measure), "benchmark_meta": measured},
-           "rows": rows, "summary": summary}
+    out = {"meta": run_meta() | {"measured_now": bool(args.measure)}, "rates": rates, "framework_s": extras,
+           "benchmark_meta": measured, "rows": rows, "summary": summary}
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"{'benchmark':14s} {'quantity':44s} {'predicted':>10s} {'measured':>10s} {'error':>8s}")
     for r in rows:

@@ -205,8 +205,9 @@ def assumptions(plan: RunPlan) -> list[str]:
         f"Decode: per generated token the decoder's weights and LM head (once per wave of {s.max_num_seqs} "
         "sequences) and every attended token's K/V are read; with shared-prefix decoding the prompt's K/V once "
         "per prompt.",
-        f"Activations: {ELEMENTWISE_PASSES} memory passes per saved value per forward (twice that in backward); "
-        "fp32 logits and log-softmax on the scored positions.",
+        "Elementwise kernels (fp32 RMSNorm, RoPE, SwiGLU, residual adds: 22 h + 8 (heads + kv_heads) head_dim + "
+        f"5 intermediate values per token and layer, x {ELEMENTWISE_PASSES / 2:g}) and fp32 logits, log-softmax "
+        "and gather on the scored positions move their bytes at the achieved bandwidth, after the GEMMs.",
         "Collectives: two ring all-reduces per layer per pass over the TP group (2 (n-1)/n of the message each), "
         "not overlapped with compute, plus a latency each; data-parallel gradient reduce-scatter and parameter "
         "all-gather over the network; weight sync moves the remote share of the rebuilt bytes over NVLink.",
