@@ -346,6 +346,19 @@ def render_main_job(data: dict) -> str:
                   for m in ("random", "SFT", "GRPO")), num(run.get("seconds"))] for seed, run in runs.items()])
 
 
+def render_plan_validation(data: dict) -> str:
+    """plan-run's step model against the CPU benchmarks (docs/planning.md has the same table and the method)."""
+    s = data.get("summary", {})
+    rows = [[r["benchmark"], r["quantity"], "yes" if r.get("framework") else "no", num(r["predicted"]),
+             num(r["measured"]), f"{r['error']:+.1%}", "yes" if r["within"] else "**no**"] for r in data["rows"]]
+    text = table(["benchmark", "quantity", "framework s added", "predicted", "measured", "error", "within target"],
+                 rows)
+    if s:
+        text += (f"\n\nWithin 25% (phases and steps): {s['phases_within_25pct']}/{s['phases']}; Rollplex/serial "
+                 f"ratios within 15%: {s['ratios_within_15pct']}/{s['ratios']}.")
+    return text
+
+
 # ---- the page -------------------------------------------------------------------------------------------------------
 
 # (heading, sentence, [(file glob, renderer, optional (### heading, sentence) for a second script)])
@@ -418,6 +431,12 @@ SECTIONS = [
      "step and amortised over the default interval of 200 steps; run `OMP_NUM_THREADS=2 .venv/bin/python "
      "benchmarks/bench_verify.py [--repeats 3] --out benchmarks/results/verify.json`.",
      [("verify*.json", render_verify, None)]),
+    ("## Plan validation (`benchmarks/bench_plan_validation.py`)",
+     "`rollplex-trl plan-run`'s step model priced with this machine's calibrated rates against the CPU benchmarks' "
+     "measured passes and steps (targets: 25% per phase or step, 15% per Rollplex/serial ratio; method and limits "
+     "in [planning.md](planning.md)); run `OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_plan_validation.py "
+     "--measure DIR --docs docs/planning.md`.",
+     [("plan_validation*.json", render_plan_validation, None)]),
     ("## Memory (`benchmarks/bench_memory.py`)",
      "`rollplex_memory` off against on (and `--offload`: activations parked in host memory) in fresh processes, "
      "alternating: peak memory per phase, the step time and the registered bytes against the planner's; run "

@@ -172,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     _memory(sub)
     from rollplex_trl.sharding.cli import register_cli as _sharding
     _sharding(sub)
+    from rollplex_trl.planning.cli import register_cli as _planning
+    _planning(sub)
     return parser
 
 

@@ -1,0 +1,105 @@
+"""The devices `plan-run` prices a step on: peak rates as published, and how much of them a step gets.
+
+A phase is priced by its bottleneck: compute (prefill, scoring, training: FLOPs / (peak x `mfu`)), device memory
+(decode: bytes read per token / (HBM bandwidth x `mbu`)), or a link (collectives and weight sync: bytes / link
+bandwidth, plus a latency per collective). The peaks are the vendors' dense (no sparsity) bf16 figures; `mfu` and
+`mbu` are assumptions (printed with every plan), not measurements: 45% of peak is what Megatron-LM reports for
+large-model training on H100 at these sizes, 70% of HBM bandwidth what vLLM's decode kernels reach at batch sizes
+of a GRPO rollout.
+
+Sources (checked against the datasheets, 2024-2025):
+- H100 SXM5 80GB: 989.4 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 4 900 GB/s total (450 GB/s each way); nodes
+  with one 400 Gb/s (50 GB/s) InfiniBand NDR port per GPU. NVIDIA H100 Tensor Core GPU datasheet.
+- H200 SXM 141GB: the H100's compute (989.4 TFLOP/s), 4.8 TB/s HBM3e, NVLink 900 GB/s; 50 GB/s IB per GPU.
+  NVIDIA H200 datasheet.
+- H800 SXM5 80GB: the H100's compute and HBM (989.4 TFLOP/s, 3.35 TB/s), NVLink cut to 400 GB/s total (200 GB/s
+  each way); 8 x 400 Gb/s IB per node (50 GB/s per GPU) as in the DeepSeek-V3 report's H800 cluster.
+- A100 SXM4 80GB: 312 TFLOP/s bf16 dense, 2.039 TB/s HBM2e, NVLink 3 600 GB/s total (300 GB/s each way); one
+  200 Gb/s (25 GB/s) HDR port per GPU. NVIDIA A100 datasheet.
+- Host link: PCIe Gen5 x16 (H100/H200/H800) 64 GB/s each way, ~50 GB/s reached with pinned memory; Gen4 x16 (A100)
+  32 GB/s, ~25 GB/s reached.
+Device memory is what the driver reports (nvidia-smi: 81,559 MiB for the 80 GB Hopper parts, 143,771 MiB for the
+H200, 81,920 MiB for the A100 80GB).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+TB, GB = 1e12, 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device type. Rates are per device; link bandwidths are one direction."""
+
+    name: str
+    peak_flops: float  # dense FLOP/s at the training/rollout precision (bf16 on GPUs)
+    mem_bw: float  # device memory bandwidth, bytes/s
+    intra_bw: float  # within a node (NVLink), bytes/s each way per device
+    inter_bw: float  # between nodes (InfiniBand/RoCE), bytes/s each way per device
+    host_bw: float  # device <-> host (PCIe), bytes/s each way, reached with pinned memory
+    mem_gib: float  # device memory the driver reports
+    gpus_per_node: int = 8
+    mfu: float = 0.45  # share of peak FLOP/s a GEMM-bound phase reaches (assumption)
+    mbu: float = 0.70  # share of memory bandwidth a bandwidth-bound phase reaches (assumption)
+    collective_latency_s: float = 10e-6  # per collective (NCCL all-reduce of a small message over NVLink)
+    layer_overhead_s: float = 0.0  # per decoder layer per forward call (kernel launches; 0: CUDA graphs)
+    call_overhead_s: float = 0.0  # per forward call outside the layers (embedding, head, framework)
+    decode_step_overhead_s: float = 0.0  # per generated token of the engine's loop (sampling, scheduling)
+    vision_block_overhead_s: float = 0.0  # per vision-tower block per video run (window attention's small ops)
+    overheads_occupy_compute: bool = False  # CPU: Python and kernels share the cores (no idle compute to hide in)
+    fp32_flops: float | None = None  # CPU: fp32 matmul rate where it differs (the benchmarks run fp32)
+    attention_flops: float | None = None  # CPU: achieved rate of the attention kernels (GPUs: the GEMM rate)
+    fp32_attention_flops: float | None = None
+    source: str = ""
+
+    def flops(self, precision: str = "bf16") -> float:
+        """Achieved FLOP/s of a GEMM-bound phase at `precision`."""
+        peak = self.fp32_flops if precision == "fp32" and self.fp32_flops else self.peak_flops
+        return peak * self.mfu
+
+    def attention_rate(self, precision: str = "bf16") -> float:
+        """Achieved FLOP/s of the attention products (fused kernels), where measured apart from the GEMMs."""
+        rate = self.fp32_attention_flops if precision == "fp32" else self.attention_flops
+        return rate * self.mfu if rate else self.flops(precision)
+
+    def bandwidth(self) -> float:
+        return self.mem_bw * self.mbu
+
+    def link_bw(self, group: int) -> float:
+        """Bandwidth of a collective over `group` devices: NVLink within a node, the network beyond it."""
+        return self.intra_bw if group <= self.gpus_per_node else self.inter_bw
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+_HOPPER = dict(peak_flops=989.4 * TB, mem_bw=3.35 * TB, intra_bw=450 * GB, inter_bw=50 * GB, host_bw=50 * GB,
+               mem_gib=81_559 / 1024)
+
+GPUS: dict[str, Hardware] = {
+    "H100": Hardware("H100", **_HOPPER,
+                     source="H100 SXM5 80GB datasheet: 989 TFLOP/s bf16, 3.35 TB/s, NVLink 900 GB/s"),
+    "H200": Hardware("H200", **{**_HOPPER, "mem_bw": 4.8 * TB, "mem_gib": 143_771 / 1024},
+                     source="H200 SXM 141GB datasheet: 989 TFLOP/s bf16, 4.8 TB/s, NVLink 900 GB/s"),
+    "H800": Hardware("H800", **{**_HOPPER, "intra_bw": 200 * GB},
+                     source="H800 SXM5 80GB: H100 compute and HBM, NVLink 400 GB/s, 8 x 400 Gb/s IB per node"),
+    "A100": Hardware("A100", peak_flops=312 * TB, mem_bw=2.039 * TB, intra_bw=300 * GB, inter_bw=25 * GB,
+                     host_bw=25 * GB, mem_gib=80.0,
+                     source="A100 SXM4 80GB datasheet: 312 TFLOP/s bf16, 2.04 TB/s, NVLink 600 GB/s"),
+}
+
+
+def resolve_hardware(name: str, **overrides: float) -> Hardware:
+    """A table entry (case-insensitive) with any field overridden; "custom" starts from the H100's figures and
+    expects the overrides (--peak-tflops, --mem-bw-tbs, ...)."""
+    key = name.upper()
+    if key == "CUSTOM":
+        base = replace(GPUS["H100"], name="custom", source="custom: the H100's figures with the given overrides")
+    elif key in GPUS:
+        base = GPUS[key]
+    else:
+        raise ValueError(f"unknown GPU {name!r}: use one of {', '.join(GPUS)} or 'custom'")
+    fields = {k: v for k, v in overrides.items() if v is not None}
+    return replace(base, **fields) if fields else base

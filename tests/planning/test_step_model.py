@@ -1,0 +1,214 @@
+"""plan-run's step model (rollplex_trl/planning/) against references: the FLOPs it counts against PyTorch's FLOP
+counter on the real modules of the tiny Qwen2.5-VL and against numbers computed by hand for one layer; the bytes
+of decode against hand-computed values; the schedules against prefix/cost.py; the command's JSON for the paper's
+setting, a 7B single-node H200 run and a setting that cannot fit. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from rollplex_trl.memory.model_dims import PRESETS, dims_from_config
+from rollplex_trl.planning.hardware import GPUS, resolve_hardware
+from rollplex_trl.planning.step_model import (
+    SCHEDULES,
+    StepSpec,
+    decode_bytes,
+    decoder_weight_bytes,
+    forward_work,
+    predict_step,
+)
+from rollplex_trl.prefix.cost import (
+    ScoringShape,
+    attention_flops_per_pair,
+    linear_flops_per_token,
+    serial_flops,
+    shared_flops,
+    vision_flops_per_visual_token,
+)
+
+_LINEAR = ("aten.mm", "aten.addmm")
+_PRODUCTS = ("aten.bmm", "aten.matmul")
+
+
+@pytest.fixture(scope="module")
+def tiny_vl():
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from rollplex_trl.testing.checkpoints import get_checkpoint
+
+    path = get_checkpoint("qwen2_5_vl", "tiny")
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, attn_implementation="eager").eval()
+    return model, dims_from_config(model.config, "tiny")
+
+
+def _module_counts(fn) -> dict[str, dict[str, float]]:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return {mod: {str(op): float(n) for op, n in ops.items()} for mod, ops in counter.get_flop_counts().items()}
+
+
+def _layer_key(counts: dict, suffix: str) -> str:
+    keys = [k for k in counts if k.endswith(suffix)]
+    assert keys, f"no module ending in {suffix!r} among {sorted(counts)[:20]}"
+    return min(keys, key=len)
+
+
+def test_tiny_dims_are_the_ones_computed_by_hand(tiny_vl):
+    _, dims = tiny_vl
+    assert (dims.hidden, dims.heads, dims.kv_heads, dims.head_dim, dims.intermediate) == (64, 4, 2, 16, 128)
+    # one layer: q 64x64, k and v 64x32 each, o 64x64, gate/up/down 3 x 64x128 = 36,864 weights, 2 FLOPs each
+    assert linear_flops_per_token(dims) / dims.layers == 73_728
+    assert attention_flops_per_pair(dims) / dims.layers == 4 * 4 * 16  # q.k and p.v per head
+    v = dims.vision
+    assert (v.hidden, v.intermediate) == (32, 64)
+    # one block per patch: qkv + proj 4 x 32x32, gate/up/down 3 x 32x64 = 10,240 weights; x merge^2 patches
+    assert vision_flops_per_visual_token(dims) / v.depth == 2 * 10_240 * 4
+
+
+def test_one_decoder_layer_matches_the_flop_counter_and_the_hand_count(tiny_vl):
+    """Decoder layer 0 of the real model on N tokens (eager attention): its projections and MLP are exactly the
+    modelled linear FLOPs, its two attention products the full N x N square (eager; the model counts the causal
+    half, what the fused kernels compute)."""
+    model, dims = tiny_vl
+    n = 23
+    ids = torch.randint(10, 500, (1, n), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        counts = _module_counts(lambda: model(input_ids=ids))
+    layer = counts[_layer_key(counts, "layers.0")]
+    linear = sum(layer.get(op, 0.0) for op in _LINEAR)
+    products = sum(layer.get(op, 0.0) for op in _PRODUCTS)
+    work = forward_work(dims, n, n * n / 2, 0.0, 0.0)
+    assert linear == work.linear / dims.layers == n * 73_728
+    assert products == 2 * work.attention / dims.layers == n * n * 256
+
+
+def test_one_vision_block_matches_the_flop_counter_and_the_hand_count(tiny_vl):
+    model, dims = tiny_vl
+    v = dims.vision
+    grid = torch.tensor([[2, 4, 6]])
+    patches = int(grid.prod())
+    pixels = torch.randn(patches, v.in_channels * v.temporal_patch * v.patch * v.patch)
+    with torch.no_grad():
+        counts = _module_counts(lambda: model.model.visual(pixels, grid_thw=grid))
+    block = counts[_layer_key(counts, "blocks.0")]
+    linear = sum(block.get(op, 0.0) for op in _LINEAR)
+    visual_tokens = patches / v.merge**2
+    assert linear == forward_work(dims, 0, 0, visual_tokens, 0).vision / v.depth == patches * 2 * 10_240
+
+
+def test_the_schedules_count_what_prefix_cost_counts():
+    """The scoring passes of the TRL and Rollplex schedules are prefix/cost.py's serial and shared FLOPs (the
+    model `auto` decides from): the reference pass of TRL's schedule is serial_flops; Rollplex's prefix job plus
+    its suffix pass is shared_flops with the cascade suffix."""
+    dims = PRESETS["Qwen2.5-VL-7B"]
+    spec = StepSpec(num_gpus=1, train_tp=1, rollout_tp=1, batch=1, num_generations=8, prompt_len=2000,
+                    visual_tokens=1800, completion_len=300)
+    shape = ScoringShape(2000, 300, 8, 1800)
+    trl = predict_step(dims, spec, GPUS["H100"], "trl")
+    assert trl.phase("reference").flops == pytest.approx(serial_flops(dims, shape).total, rel=1e-12)
+    rp = predict_step(dims, spec, GPUS["H100"], "rollplex")
+    shared = rp.phase("ref_prefix").flops + rp.phase("reference").flops
+    assert shared == pytest.approx(shared_flops(dims, shape, "cascade").total, rel=1e-12)
+    # the actor: forward + backward (2x) + recompute (1x) = 4 forwards of the same passes
+    assert trl.phase("actor").flops == pytest.approx(4 * serial_flops(dims, shape).total, rel=1e-12)
+
+
+def test_decode_bytes_are_weights_and_kv_per_token_by_hand():
+    """Qwen2.5-VL-7B, one rollout rank, bf16: K/V per token = 2 x 28 layers x 4 KV heads x 128 x 2 B = 57,344 B;
+    each of C = 10 steps reads the decoder's weights and LM head once and every earlier token's K/V."""
+    dims = PRESETS["Qwen2.5-VL-7B"]
+    assert dims.kv_bytes_per_token(1, 2) == 57_344
+    G, P, C = 8, 1000, 10
+    spec = StepSpec(num_gpus=1, train_tp=1, rollout_tp=1, batch=1, num_generations=G, prompt_len=P,
+                    completion_len=C)
+    weights = (28 * dims.layer_params(1) + 152_064 * 3584) * 2
+    assert decoder_weight_bytes(dims, 1, 2) == weights
+    w, kv = decode_bytes(dims, spec, prompts=1, shared=False)
+    assert w == C * weights
+    assert kv == (G * C * P + G * C * (C + 1) / 2) * 57_344  # every sample reads its own copy of the prompt
+    w2, kv_shared = decode_bytes(dims, spec, prompts=1, shared=True)
+    assert w2 == w and kv_shared == (C * P + G * C * (C + 1) / 2) * 57_344  # the prompt once per prompt
+    # at TP 4 each rank holds one KV head of 4: a quarter of the K/V, and its share of the weights
+    spec4 = StepSpec(num_gpus=4, train_tp=4, rollout_tp=4, batch=1, num_generations=G, prompt_len=P,
+                     completion_len=C)
+    assert decode_bytes(dims, spec4, 1, False)[1] == kv / 4
+    # priced by memory traffic on an H200: bytes / (4.8 TB/s x 0.7)
+    pred = predict_step(dims, spec, GPUS["H200"], "trl").phase("rollout_decode")
+    assert pred.mem_bytes == w + kv
+    assert pred.memory_s == pytest.approx((w + kv) / (4.8e12 * 0.7))
+    assert pred.bound == "memory"
+
+
+def test_rollplex_is_faster_and_each_mechanism_only_removes_work():
+    dims = PRESETS["Qwen2.5-VL-32B"]
+    spec = StepSpec()
+    preds = {name: predict_step(dims, spec, GPUS["H800"], name) for name in SCHEDULES}
+    assert preds["rollplex"].step_s < preds["serial"].step_s <= preds["trl"].step_s
+    assert preds["serial"].phase("rollout_prefill").flops < preds["trl"].phase("rollout_prefill").flops
+    assert preds["rollplex"].phase("rollout_decode").mem_bytes < preds["serial"].phase("rollout_decode").mem_bytes
+    assert preds["rollplex"].phase("weight_sync").seconds < preds["serial"].phase("weight_sync").seconds
+
+
+def test_custom_hardware_overrides_and_unknown_names():
+    hw = resolve_hardware("custom", peak_flops=500e12, mem_bw=2e12)
+    assert hw.peak_flops == 500e12 and hw.mem_bw == 2e12 and hw.intra_bw == GPUS["H100"].intra_bw
+    with pytest.raises(ValueError, match="unknown GPU"):
+        resolve_hardware("B300")
+
+
+def _plan_json(capsys, *argv: str) -> dict:
+    from rollplex_trl.cli import main
+
+    assert main(["plan-run", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_run_answers_the_paper_setting(capsys):
+    out = _plan_json(capsys, "--example", "paper")
+    assert out["model"]["name"] == "Qwen2.5-VL-32B" and out["hardware"]["name"] == "H800"
+    assert (out["spec"]["num_gpus"], out["spec"]["train_tp"], out["spec"]["rollout_tp"]) == (32, 8, 4)
+    steps = {name: s["step_s"] for name, s in out["schedules"].items()}
+    assert steps["rollplex"] < steps["serial"] <= steps["trl"]
+    assert out["speedup"]["rollplex_vs_serial"] == pytest.approx(steps["serial"] / steps["rollplex"], rel=1e-3)
+    assert out["fits"]["rollplex"] and not out["overflows"]
+    names = [p["name"] for p in out["schedules"]["rollplex"]["phases"]]
+    for phase in ("rollout_prefill", "rollout_decode", "ref_prefix", "reference", "actor", "optimizer",
+                  "weight_sync"):
+        assert phase in names
+    for p in out["schedules"]["rollplex"]["phases"]:
+        assert p["seconds"] >= 0 and 0 < p["memory_gib"] < 79.7
+    cmp = out["paper_comparison"]
+    assert cmp["paper_speedup_vs_serial"] == [1.23, 1.30] and cmp["predicted_speedup_vs_serial"] > 1
+    assert cmp["assumptions"] and out["assumptions"]
+    # plan-memory's prediction is reused, not re-derived: Rollplex's peak is its 34.7 GiB
+    assert out["schedules"]["rollplex"]["memory"]["peak_gib"] == pytest.approx(34.7, abs=0.1)
+
+
+def test_plan_run_answers_a_7b_single_node_h200_run(capsys, tmp_path):
+    out = _plan_json(capsys, "--example", "7b-h200", "--gantt", str(tmp_path / "step.png"))
+    assert out["model"]["name"] == "Qwen2.5-VL-7B" and out["hardware"]["name"] == "H200"
+    assert out["spec"]["num_gpus"] == 8 and out["paper_comparison"] is None
+    assert all(out["fits"].values())
+    assert out["schedules"]["rollplex"]["step_s"] < out["schedules"]["trl"]["step_s"]
+    if out["gantt"]:  # matplotlib installed
+        assert (tmp_path / "step.png").stat().st_size > 1000
+
+
+def test_plan_run_says_what_does_not_fit_and_the_cheapest_setting_that_does(capsys):
+    """Qwen2.5-VL-32B on 8 GPUs at TP 1 without weight sharing or offload: 33 B parameters' bf16 weights, fp32
+    gradients and optimizer state on one GPU cannot fit; the answer names the phase and the tensor class."""
+    out = _plan_json(capsys, "--model", "Qwen2.5-VL-32B", "--gpu", "H100", "--num-gpus", "8", "--train-tp", "1",
+                     "--rollout-tp", "1", "--batch", "8", "--no-offload", "--no-weight-sharing")
+    assert not out["fits"]["rollplex"]
+    over = [o for o in out["overflows"] if o["schedule"] == "rollplex"]
+    assert {o["phase"] for o in over} >= {"train", "optimizer"}
+    train = next(o for o in over if o["phase"] == "train")
+    assert train["gib"] > train["limit_gib"] and train["tensor_class"] and train["component"]
+    assert "does not fit in train" in train["message"]
+    suggestion = out["suggestion"]
+    assert suggestion is not None and suggestion["peak_gib"] <= 79.7
+    assert "TP" in suggestion["change"] or "offload" in suggestion["change"] or "GPUs" in suggestion["change"]
