@@ -7,6 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # no pip cache: the two environments need ~8 GB already, and a CI machine's disk once ran out during the install
 export PIP_NO_CACHE_DIR=${PIP_NO_CACHE_DIR:-1}
+# free disk, printed so that an install that runs out of space (seen once on a CI machine) shows how much there was
+df -h . | tail -1 | awk '{print "disk before the install: " $4 " free of " $2}'
 bash scripts/setup_env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 export ROLLPLEX_REQUIRE_EXTRAS=1
