@@ -7,13 +7,16 @@ What is measured (each the median of a few repeats, on the threads torch is give
   peak, and less on a 512 x 128 K/V projection than on the MLP's, so the shapes matter;
 - attention FLOP/s: PyTorch's fused causal attention at the model's heads (512 tokens);
 - memory bandwidth: a large tensor copy (read + write bytes / seconds): what a bandwidth-bound phase reaches;
+- decode bandwidth: the weight bytes per second of a decoder layer's GEMMs on 8 rows (a decode step's batch): on
+  a CPU these skinny GEMMs read their weights at a third of a copy's bandwidth, so decode is priced at this rate;
 - overheads, because at the benchmarks' sizes a CPU step is not all FLOPs: transformers runs each decoder layer as
   a dozen Python-dispatched modules. Timed on a 1-token forward of a tiny Qwen2 (hidden 64: its FLOPs are
-  negligible) with 2 and 6 layers: the difference / 4 is the per-layer cost, the rest the per-call cost; a tiny
-  model's `generate` per token, less one forward, is the decode loop's per-token cost (sampling, stopping,
-  cache bookkeeping); the tiny Qwen2.5-VL's vision tower on one 16-frame clip, per block, is the vision tower's
-  per-run cost (window attention runs per window). On a GPU these are kernel-launch latencies and are left at 0
-  (CUDA graphs in vLLM).
+  negligible) with 1, 3 and 6 layers, in turns: the slope of a line through them is the per-layer cost, its
+  intercept the per-call cost; the decode loop's per-step and per-layer costs are timed the same way on Rollplex's
+  own transformers rollout (`generate_with_shared_prefill`, shared-prefix decoding on and off) over a tiny
+  Qwen2.5-VL with 1 and 6 layers (sampling, stopping, cache bookkeeping, the two-part attention, M-RoPE); the
+  tiny Qwen2.5-VL's vision tower on one 16-frame clip, per block, is the vision tower's per-run cost (window
+  attention runs per window). On a GPU these are kernel-launch latencies and are left at 0 (CUDA graphs in vLLM).
 
 None of these is fitted to a benchmark's result: they are this machine's properties, measured on other workloads.
 """
@@ -39,7 +42,7 @@ def _median_s(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def matmul_flops(dims: ModelDims, dtype: str = "fp32", tokens: int = 1024, repeats: int = 7) -> float:
+def matmul_flops(dims: ModelDims, dtype: str = "fp32", tokens: int = 1024, repeats: int = 15) -> float:
     """FLOP/s of one decoder layer's projections (q, k, v, o, gate, up, down) for `tokens` tokens, run in turn."""
     import torch
 
@@ -49,11 +52,11 @@ def matmul_flops(dims: ModelDims, dtype: str = "fp32", tokens: int = 1024, repea
               (h, i), (i, h)]
     gen = torch.Generator().manual_seed(0)
     inputs = {k: torch.randn(tokens, k, generator=gen, dtype=dt) for k in {k for k, _ in shapes}}
-    weights = [torch.randn(k, n, generator=gen, dtype=dt) for k, n in shapes]
+    weights = [torch.randn(n, k, generator=gen, dtype=dt) for k, n in shapes]  # nn.Linear's (out, in) layout
 
     def run():
         for (k, _), w in zip(shapes, weights, strict=True):
-            inputs[k] @ w
+            torch.nn.functional.linear(inputs[k], w)
 
     return sum(2.0 * tokens * k * n for k, n in shapes) / _median_s(run, repeats)
 
@@ -88,27 +91,109 @@ def _tiny_model(layers: int):
     return Qwen2ForCausalLM(config).eval()
 
 
+def _round_robin_medians(fns: dict, rounds: int, warmup: int = 3) -> dict:
+    """Median seconds of each function, timed in turns (one call of each per round), so that a drift of the
+    machine's speed during the measurement reaches every function alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _line(points: dict[int, float]) -> tuple[float, float]:
+    """Least-squares (slope, intercept) of seconds against layers, both floored at 0."""
+    xs = list(points)
+    mean_x = sum(xs) / len(xs)
+    mean_y = sum(points.values()) / len(xs)
+    slope = sum((x - mean_x) * (points[x] - mean_y) for x in xs) / sum((x - mean_x) ** 2 for x in xs)
+    slope = max(slope, 0.0)
+    return slope, max(mean_y - slope * mean_x, 0.0)
+
+
 def overheads(repeats: int = 30) -> dict[str, float]:
-    """(per-call, per-layer, per-decode-step) seconds of transformers' Python on this machine."""
+    """Per-call and per-layer seconds of transformers' Python on this machine (1-token forwards of tiny Qwen2
+    models with 1, 3 and 6 layers, timed in turns: the slope of a line through them per layer, its intercept per
+    call), the decode loop's (`decode_overheads`) and the vision tower's per block."""
     import torch
 
     ids = torch.tensor([[5]])
-    forward = {}
-    models = {}
-    for layers in (2, 6):
-        model = models[layers] = _tiny_model(layers)
-        with torch.no_grad():
-            forward[layers] = _median_s(lambda m=model: m(input_ids=ids), repeats)
-    per_layer = max((forward[6] - forward[2]) / 4, 0.0)
-    per_call = max(forward[2] - 2 * per_layer, 0.0)
-    tokens = 24
-    prompt = torch.tensor([[5, 6, 7, 8]])
+    depths = (1, 3, 6)
+    models = {n: _tiny_model(n) for n in depths}
     with torch.no_grad():
-        gen = _median_s(lambda: models[2].generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens,
-                                                    do_sample=True, pad_token_id=0), 5, warmup=1)
-    per_step = max(gen / tokens - forward[2], 0.0)
-    return {"call_overhead_s": per_call, "layer_overhead_s": per_layer, "decode_step_overhead_s": per_step,
-            "vision_block_overhead_s": vision_block_overhead(repeats)}
+        fwd = _round_robin_medians({n: (lambda m=models[n]: m(input_ids=ids)) for n in depths}, repeats)
+    per_layer, per_call = _line(fwd)
+    return {"call_overhead_s": per_call, "layer_overhead_s": per_layer,
+            **decode_overheads(max(3, repeats // 6)), "vision_block_overhead_s": vision_block_overhead(repeats)}
+
+
+def _tiny_vl(layers: int):
+    """The tiny Qwen2.5-VL test checkpoint's architecture with `layers` decoder layers, random weights."""
+    import torch
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    from rollplex_trl.testing.checkpoints import get_checkpoint
+
+    config = AutoConfig.from_pretrained(get_checkpoint("qwen2_5_vl", "tiny"))
+    config.text_config.num_hidden_layers = layers
+    config.text_config.layer_types = ["full_attention"] * layers
+    torch.manual_seed(0)
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def decode_overheads(repeats: int = 5, rows: int = 8, tokens: int = 24) -> dict[str, float]:
+    """Seconds per decode step of Rollplex's transformers rollout outside the counted work: sampled generation of
+    `tokens` tokens for `rows` rows of one 16-token prompt through `generate_with_shared_prefill`, on the tiny
+    Qwen2.5-VL (hidden 64: FLOPs and bytes negligible) with 1 and 6 decoder layers, with shared-prefix decoding
+    and without. Per layer (the slope): the attention's two parts, M-RoPE, the cache; per step (the intercept):
+    the model's wrapper, the head, sampling, logits processors, stopping."""
+    import torch
+
+    from rollplex_trl.prefix.generation import generate_with_shared_prefill
+
+    depths = (1, 6)
+    models = {n: _tiny_vl(n) for n in depths}
+    ids = torch.randint(10, 200, (1, 16), generator=torch.Generator().manual_seed(0)).repeat(rows, 1)
+    mask = torch.ones_like(ids)
+
+    def run(model, shared: str):
+        def go():
+            with torch.no_grad():
+                generate_with_shared_prefill(model, ids, mask, None, shared_decode=shared, num_generations=rows,
+                                             max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True,
+                                             pad_token_id=0)
+        return go
+
+    fns = {(n, shared): run(models[n], shared) for n in depths for shared in ("on", "off")}
+    times = _round_robin_medians(fns, repeats, warmup=1)
+    plain_layer, plain_step = _line({n: times[(n, "off")] / tokens for n in depths})
+    shared_layer, shared_step = _line({n: times[(n, "on")] / tokens for n in depths})
+    return {"decode_step_overhead_s": (plain_step + shared_step) / 2, "decode_layer_overhead_s": plain_layer,
+            "shared_decode_layer_overhead_s": shared_layer}
+
+
+def decode_bandwidth(dims: ModelDims, rows: int = 8, repeats: int = 7) -> float:
+    """Bytes/s at which GEMMs of `rows` rows (a decode step's batch) read one decoder layer's weights, fp32: what
+    decoding reaches here (a CPU's skinny GEMMs stream their weights well below a copy's bandwidth)."""
+    import torch
+
+    h, d, i = dims.hidden, dims.head_dim, dims.intermediate
+    shapes = [(h, dims.heads * d), (h, dims.kv_heads * d), (h, dims.kv_heads * d), (dims.heads * d, h), (h, i),
+              (h, i), (i, h)]
+    gen = torch.Generator().manual_seed(0)
+    inputs = {k: torch.randn(rows, k, generator=gen) for k in {k for k, _ in shapes}}
+    weights = [torch.randn(n, k, generator=gen) for k, n in shapes]
+
+    def run():
+        for (k, _), w in zip(shapes, weights, strict=True):
+            torch.nn.functional.linear(inputs[k], w)
+
+    return sum(4.0 * k * n for k, n in shapes) / _median_s(run, repeats * 5)
 
 
 def vision_block_overhead(repeats: int = 10) -> float:
@@ -130,15 +215,66 @@ def vision_block_overhead(repeats: int = 10) -> float:
     return seconds / cfg.depth
 
 
-def calibrate(dims: ModelDims, quick: bool = False) -> dict[str, float]:
-    """Measure this machine at `dims`' shapes: GEMM and attention FLOP/s (fp32, bf16), bandwidth, overheads."""
+def _allreduce_worker(rank: int, world: int, port: int, rounds: int, numel: int) -> None:
+    """One rank of `collective_latency` (its own interpreter): rank 0 prints the median seconds per all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        x = torch.ones(numel)
+        for _ in range(20):
+            dist.all_reduce(x)
+        times = []
+        for _ in range(rounds):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(x)
+            times.append(time.perf_counter() - start)
+        if rank == 0:
+            print(statistics.median(times), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def collective_latency(world: int = 2, rounds: int = 100, numel: int = 4096) -> float:
+    """Seconds of one gloo all-reduce of `numel` fp32 values (a decode step's activations) between `world`
+    processes of one thread each on this machine: what each tensor-parallel collective of a CPU run pays (Megatron
+    t = 2 here) beyond its bytes over the copy bandwidth. The ranks are fresh interpreters (subprocesses), so the
+    caller needs no `__main__` guard."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", "from rollplex_trl.planning.calibrate import _allreduce_worker; "
+                               f"_allreduce_worker({rank}, {world}, {port}, {rounds}, {numel})"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for rank in range(world)]
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        if proc.returncode != 0:
+            raise RuntimeError(f"the all-reduce calibration's rank failed:\n{err[-2000:]}")
+    return float(outputs[0][0].strip().splitlines()[-1])
+
+
+def calibrate(dims: ModelDims, quick: bool = False, collectives: bool = False) -> dict[str, float]:
+    """Measure this machine at `dims`' shapes: GEMM and attention FLOP/s (fp32, bf16), bandwidth, overheads, and
+    with `collectives` the latency of a two-process gloo all-reduce."""
     reps = 3 if quick else 7
-    out = {"fp32_flops": matmul_flops(dims, "fp32", repeats=reps),
+    out = {"fp32_flops": matmul_flops(dims, "fp32", repeats=2 * reps + 1),
            "bf16_flops": matmul_flops(dims, "bf16", repeats=reps),
            "fp32_attention_flops": attention_flops(dims, "fp32", repeats=reps),
            "bf16_attention_flops": attention_flops(dims, "bf16", repeats=reps),
-           "mem_bw": memory_bandwidth(repeats=reps)}
+           "mem_bw": memory_bandwidth(repeats=reps), "decode_bw": decode_bandwidth(dims, repeats=reps)}
     out.update(overheads(repeats=10 if quick else 30))
+    if collectives:
+        out["collective_latency_s"] = collective_latency()
     return out
 
 
@@ -152,7 +288,14 @@ def cpu_hardware(rates: dict[str, float], threads_share: float = 1.0) -> Hardwar
         attention_flops=rates["bf16_attention_flops"] * threads_share,
         fp32_attention_flops=rates["fp32_attention_flops"] * threads_share,
         mem_bw=bw, intra_bw=bw, inter_bw=bw, host_bw=0.0, mem_gib=1e9, gpus_per_node=64, mfu=1.0, mbu=1.0,
-        collective_latency_s=0.0, overheads_occupy_compute=True, layer_overhead_s=rates["layer_overhead_s"],
-        call_overhead_s=rates["call_overhead_s"], decode_step_overhead_s=rates["decode_step_overhead_s"],
+        collective_latency_s=rates.get("collective_latency_s", 0.0), overheads_occupy_compute=True,
+        layer_overhead_s=rates["layer_overhead_s"],
+        call_overhead_s=rates["call_overhead_s"],
+        # calibrations before the decode loop was measured on its own: a step was a forward call plus the loop's
+        decode_step_overhead_s=rates["decode_step_overhead_s"] + (
+            0.0 if "decode_layer_overhead_s" in rates else rates["call_overhead_s"]),
+        decode_layer_overhead_s=rates.get("decode_layer_overhead_s"),
+        shared_decode_layer_overhead_s=rates.get("shared_decode_layer_overhead_s"),
+        decode_bw=rates["decode_bw"] * threads_share if "decode_bw" in rates else None,
         vision_block_overhead_s=rates.get("vision_block_overhead_s", 0.0),
         source="this machine, measured by planning/calibrate.py")

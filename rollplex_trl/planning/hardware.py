@@ -47,6 +47,9 @@ class Hardware:
     layer_overhead_s: float = 0.0  # per decoder layer per forward call (kernel launches; 0: CUDA graphs)
     call_overhead_s: float = 0.0  # per forward call outside the layers (embedding, head, framework)
     decode_step_overhead_s: float = 0.0  # per generated token of the engine's loop (sampling, scheduling)
+    decode_layer_overhead_s: float | None = None  # per layer per decode step (None: layer_overhead_s)
+    shared_decode_layer_overhead_s: float | None = None  # the same with shared-prefix decoding (two-part attention)
+    decode_bw: float | None = None  # bytes/s a decode step's weight reads reach (CPU: a skinny GEMM; None: mem_bw)
     vision_block_overhead_s: float = 0.0  # per vision-tower block per video run (window attention's small ops)
     overheads_occupy_compute: bool = False  # CPU: Python and kernels share the cores (no idle compute to hide in)
     fp32_flops: float | None = None  # CPU: fp32 matmul rate where it differs (the benchmarks run fp32)
@@ -66,6 +69,17 @@ class Hardware:
 
     def bandwidth(self) -> float:
         return self.mem_bw * self.mbu
+
+    def decode_bandwidth(self) -> float:
+        """Bytes/s of a decode step's weight and K/V reads: GEMMs of a few rows stream their weights (on a CPU
+        well below a copy's bandwidth: measured apart)."""
+        return self.decode_bw * self.mbu if self.decode_bw else self.bandwidth()
+
+    def decode_layer_cost_s(self, shared: bool) -> float:
+        """Seconds per decoder layer per decode step outside the counted work (0 on GPUs: CUDA graphs)."""
+        shared_cost = self.shared_decode_layer_overhead_s if shared else None
+        plain = self.decode_layer_overhead_s if self.decode_layer_overhead_s is not None else self.layer_overhead_s
+        return shared_cost if shared_cost is not None else plain
 
     def link_bw(self, group: int) -> float:
         """Bandwidth of a collective over `group` devices: NVLink within a node, the network beyond it."""

@@ -259,10 +259,12 @@ class _Pricer:
 
     def price(self, cost: PhaseCost, tp: int, calls: float = 0.0, steps: float = 0.0, collectives: float = 0.0,
               link_group: int = 1, link_bw: float | None = None, vision_tp: int | None = None,
-              vision_runs: float = 0.0) -> PhaseCost:
+              vision_runs: float = 0.0, shared_decode: bool = False) -> PhaseCost:
         """Seconds of `cost` on one GPU of a `tp` group: a GEMM's compute and the bytes it reads overlap (the larger
         counts); elementwise kernels, links and overheads add. `calls`: forward calls (each pays its layers' and its
-        own overhead); `steps`: decode steps (each pays the engine's per-token overhead); `collectives`: how many
+        own overhead); `steps`: decode steps (each pays the engine's per-token overhead and its per-layer decode cost,
+        `shared_decode`: of the two-part attention; a decode phase passes steps, not calls, and its bytes are read
+        at the decode bandwidth); `collectives`: how many
         collectives the link time pays a latency for; `vision_tp`: ranks the vision tower's FLOPs split over
         (default `tp`); `vision_runs`: vision-tower runs (each pays its blocks' overhead)."""
         hw, dims = self.hw, self.dims
@@ -271,14 +273,14 @@ class _Pricer:
         linear = cost.flops - cost.vision_flops - cost.attention_flops
         cost.compute_s = (linear / (tp * rate) + cost.attention_flops / (tp * attn_rate)
                           + cost.vision_flops / (vit * rate))
-        cost.memory_s = cost.mem_bytes / hw.bandwidth()
+        cost.memory_s = cost.mem_bytes / (hw.decode_bandwidth() if steps else hw.bandwidth())
         if self.spec.autocast and calls:  # read the fp32 weights, write and read their bf16 copies, per call
             cost.elementwise_bytes += calls * self.dims.llm_params(tp) * (4 + 2 + 2)
         cost.elementwise_s = cost.elementwise_bytes / hw.bandwidth()
         bw = link_bw if link_bw is not None else hw.link_bw(link_group)
         cost.link_s = (cost.link_bytes / bw if cost.link_bytes else 0.0) + collectives * hw.collective_latency_s
         cost.overhead_s = (calls * (hw.call_overhead_s + dims.layers * hw.layer_overhead_s)
-                           + steps * hw.decode_step_overhead_s
+                           + steps * (hw.decode_step_overhead_s + dims.layers * hw.decode_layer_cost_s(shared_decode))
                            + vision_runs * (dims.vision.depth if dims.vision else 0) * hw.vision_block_overhead_s)
         cost.seconds = max(cost.compute_s, cost.memory_s) + cost.elementwise_s + cost.link_s + cost.overhead_s
         parts = {"compute": cost.compute_s, "memory": cost.memory_s + cost.elementwise_s, "link": cost.link_s,
@@ -328,8 +330,8 @@ def predict_step(dims: ModelDims, spec: StepSpec, hw: Hardware, schedule: str | 
              w_bytes + kv_bytes, elementwise(seqs * C, 0.0, R, R))
     c.link_bytes, _ = tp_comm(R, seqs * C, 1)
     waves = max(1, math.ceil(seqs / spec.max_num_seqs))
-    phases.append(pr.price(c, R, calls=C * waves, steps=C * waves, collectives=2 * L * C * waves if R > 1 else 0,
-                           link_group=R))
+    phases.append(pr.price(c, R, steps=C * waves, collectives=2 * L * C * waves if R > 1 else 0, link_group=R,
+                           shared_decode=mech.shared_decode))
     decode = phases[-1]
 
     # the prefix forwards (Rollplex): reference, old, actor over P - 1 tokens per prompt, vision once, training

@@ -143,6 +143,45 @@ def test_decode_bytes_are_weights_and_kv_per_token_by_hand():
     assert pred.bound == "memory"
 
 
+def test_cpu_decode_is_priced_at_the_skinny_gemm_bandwidth_plus_its_per_layer_costs_by_hand():
+    """The calibrated CPU entry: a decode step reads its bytes at `decode_bw` (a few-row GEMM's weight rate, not a
+    copy's), and pays the loop's per-step cost plus, per layer, the plain or the shared-prefix attention's cost;
+    the prefill (a forward call, not a decode step) keeps the copy bandwidth and the per-call and per-layer costs."""
+    from rollplex_trl.planning.calibrate import cpu_hardware
+
+    dims = PRESETS["Qwen2.5-VL-3B"]
+    rates = {"fp32_flops": 1e15, "bf16_flops": 1e15, "fp32_attention_flops": 1e15, "bf16_attention_flops": 1e15,
+             "mem_bw": 40e9, "decode_bw": 10e9, "call_overhead_s": 4e-4, "layer_overhead_s": 5e-4,
+             "decode_step_overhead_s": 2e-3, "decode_layer_overhead_s": 6e-4,
+             "shared_decode_layer_overhead_s": 1e-3, "vision_block_overhead_s": 0.0}
+    hw = cpu_hardware(rates)
+    G, P, C = 8, 300, 16
+    spec = StepSpec(num_gpus=1, train_tp=1, rollout_tp=1, batch=1, num_generations=G, prompt_len=P,
+                    visual_tokens=0, completion_len=C, precision="fp32", weight_sync=False, max_num_seqs=64)
+    L = dims.layers
+    for schedule, shared, per_layer in (("trl", False, 6e-4), ("rollplex", True, 1e-3)):
+        decode = predict_step(dims, spec, hw, schedule).phase("rollout_decode")
+        w, kv = decode_bytes(dims, spec, prompts=1, shared=shared)
+        assert decode.memory_s == pytest.approx((w + kv) / 10e9)
+        assert decode.overhead_s == pytest.approx(C * (2e-3 + L * per_layer))
+        assert decode.bound == "memory"  # 3B's weights at 10 GB/s: ~0.6 s per step, far above the overheads
+    prefill = predict_step(dims, spec, hw, "trl").phase("rollout_prefill")
+    assert prefill.memory_s == pytest.approx(decoder_weight_bytes(dims, 1, 4) / 40e9)
+    assert prefill.overhead_s == pytest.approx(4e-4 + L * 5e-4)
+    # two ranks (Megatron t = 2 on a CPU): each of a decode step's 2 all-reduces per layer pays the measured latency
+    spec2 = StepSpec(num_gpus=2, train_tp=2, rollout_tp=2, batch=1, num_generations=G, prompt_len=P,
+                     visual_tokens=0, completion_len=C, precision="fp32", weight_sync=False, max_num_seqs=64)
+    hw2 = cpu_hardware({**rates, "collective_latency_s": 7e-4}, threads_share=0.5)
+    decode2 = predict_step(dims, spec2, hw2, "trl").phase("rollout_decode")
+    assert decode2.link_s == pytest.approx(decode2.link_bytes / 20e9 + 2 * L * C * 7e-4)
+    # a calibration from before the decode loop was measured apart: a step costs a call plus the loop's own
+    old = {k: v for k, v in rates.items() if k not in ("decode_bw", "decode_layer_overhead_s",
+                                                       "shared_decode_layer_overhead_s")}
+    decode = predict_step(dims, spec, cpu_hardware(old), "trl").phase("rollout_decode")
+    assert decode.overhead_s == pytest.approx(C * (2e-3 + 4e-4 + L * 5e-4))
+    assert decode.memory_s == pytest.approx(sum(decode_bytes(dims, spec, 1, False)) / 40e9)
+
+
 def test_rollplex_is_faster_and_each_mechanism_only_removes_work():
     dims = PRESETS["Qwen2.5-VL-32B"]
     spec = StepSpec()
@@ -212,3 +251,17 @@ def test_plan_run_says_what_does_not_fit_and_the_cheapest_setting_that_does(caps
     suggestion = out["suggestion"]
     assert suggestion is not None and suggestion["peak_gib"] <= 79.7
     assert "TP" in suggestion["change"] or "offload" in suggestion["change"] or "GPUs" in suggestion["change"]
+
+
+def test_the_calibration_runs_rollplex_decode_path_and_reports_every_rate():
+    """The calibration measures through Rollplex's own rollout (generate_with_shared_prefill, shared decoding on
+    and off) on the tiny Qwen2.5-VL: it must keep running as that code changes. Only the presence and sign of
+    each rate are asserted (their values are this machine's speed)."""
+    import math
+
+    from rollplex_trl.planning.calibrate import decode_bandwidth, decode_overheads
+
+    out = decode_overheads(repeats=1, tokens=3)
+    assert set(out) == {"decode_step_overhead_s", "decode_layer_overhead_s", "shared_decode_layer_overhead_s"}
+    assert all(math.isfinite(v) and v >= 0 for v in out.values())
+    assert decode_bandwidth(PRESETS["Qwen2.5-VL-3B"], repeats=1) > 0
