@@ -350,12 +350,15 @@ def render_plan_validation(data: dict) -> str:
     """plan-run's step model against the CPU benchmarks (docs/planning.md has the same table and the method)."""
     s = data.get("summary", {})
     rows = [[r["benchmark"], r["quantity"], "yes" if r.get("framework") else "no", num(r["predicted"]),
-             num(r["measured"]), f"{r['error']:+.1%}", "yes" if r["within"] else "**no**"] for r in data["rows"]]
-    text = table(["benchmark", "quantity", "framework s added", "predicted", "measured", "error", "within target"],
-                 rows)
+             num(r["measured"]), f"{r['error']:+.1%}", "yes" if r["within"] else "**no**",
+             ", ".join(f"{e:+.0%}" for e in r.get("run_errors", [r["error"]]))] for r in data["rows"]]
+    text = table(["benchmark", "quantity", "framework s added", "predicted", "measured", "error", "within target",
+                  "each run's error"], rows)
     if s:
+        runs = s.get("runs", 1)
         text += (f"\n\nWithin 25% (phases and steps): {s['phases_within_25pct']}/{s['phases']}; Rollplex/serial "
-                 f"ratios within 15%: {s['ratios_within_15pct']}/{s['ratios']}.")
+                 f"ratios within 15%: {s['ratios_within_15pct']}/{s['ratios']} (medians over {runs} "
+                 f"run{'s' if runs > 1 else ''}, each benchmark priced at the calibrations around it).")
     return text
 
 
@@ -435,7 +438,7 @@ SECTIONS = [
      "`rollplex-trl plan-run`'s step model priced with this machine's calibrated rates against the CPU benchmarks' "
      "measured passes and steps (targets: 25% per phase or step, 15% per Rollplex/serial ratio; method and limits "
      "in [planning.md](planning.md)); run `OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_plan_validation.py "
-     "--measure DIR --docs docs/planning.md`.",
+     "--measure DIR --runs 3 --docs docs/planning.md`.",
      [("plan_validation*.json", render_plan_validation, None)]),
     ("## Memory (`benchmarks/bench_memory.py`)",
      "`rollplex_memory` off against on (and `--offload`: activations parked in host memory) in fresh processes, "
