@@ -2,13 +2,17 @@
 
 What is measured (each the median of a few repeats, on the threads torch is given):
 
-- matmul FLOP/s, fp32 and bf16, of one decoder layer's projections at the model's own shapes (1024 tokens): what
-  a GEMM-bound phase reaches here (the GPU table's peak x mfu); at these small shapes a CPU reaches well under its
-  peak, and less on a 512 x 128 K/V projection than on the MLP's, so the shapes matter;
+- matmul FLOP/s, fp32 and bf16, of the decoder layers' projections at the model's own shapes (1024 tokens, each
+  layer's own weights, as a forward streams them: one layer's alone would stay in the last-level cache): what a
+  GEMM-bound phase reaches here (the GPU table's peak x mfu); at these small shapes a CPU reaches well under its
+  peak, and less on a 512 x 128 K/V projection than on the MLP's, so the shapes matter; and the same at 64 and 256
+  rows, and at the vision blocks' shapes, relative to it (`gemm_efficiency`): a 289-token prefix or a 64-token
+  suffix runs its GEMMs at a fraction of the 1024-token rate;
 - attention FLOP/s: PyTorch's fused causal attention at the model's heads (512 tokens);
 - memory bandwidth: a large tensor copy (read + write bytes / seconds): what a bandwidth-bound phase reaches;
-- decode bandwidth: the weight bytes per second of a decoder layer's GEMMs on 8 rows (a decode step's batch): on
-  a CPU these skinny GEMMs read their weights at a third of a copy's bandwidth, so decode is priced at this rate;
+- decode bandwidth: the weight bytes per second of the decoder layers' GEMMs on 8 rows (a decode step's batch),
+  every layer's weights streamed in turn as a decode step reads them: on a CPU these skinny GEMMs read their
+  weights at a third of a copy's bandwidth, so decode is priced at this rate;
 - overheads, because at the benchmarks' sizes a CPU step is not all FLOPs: transformers runs each decoder layer as
   a dozen Python-dispatched modules. Timed on a 1-token forward of a tiny Qwen2 (hidden 64: its FLOPs are
   negligible) with 1, 3 and 6 layers, in turns: the slope of a line through them is the per-layer cost, its
@@ -42,23 +46,73 @@ def _median_s(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def matmul_flops(dims: ModelDims, dtype: str = "fp32", tokens: int = 1024, repeats: int = 15) -> float:
-    """FLOP/s of one decoder layer's projections (q, k, v, o, gate, up, down) for `tokens` tokens, run in turn."""
+GEMM_TOKENS = (64, 256, 1024)  # rows per GEMM the efficiency curve is measured at (1024: the reference; held beyond)
+
+
+def _llm_shapes(dims: ModelDims) -> list[tuple[int, int]]:
+    """(in, out) of one decoder layer's projections: q, k, v, o, gate, up, down."""
+    h, d, i = dims.hidden, dims.head_dim, dims.intermediate
+    return [(h, dims.heads * d), (h, dims.kv_heads * d), (h, dims.kv_heads * d), (dims.heads * d, h), (h, i),
+            (h, i), (i, h)]
+
+
+def _vision_shapes(dims: ModelDims) -> list[tuple[int, int]]:
+    """(in, out) of one vision-tower block's projections: qkv, proj, the MLP (gated: gate and up)."""
+    v = dims.vision
+    mlp = [(v.hidden, v.intermediate)] * (2 if v.gated_mlp else 1) + [(v.intermediate, v.hidden)]
+    return [(v.hidden, 3 * v.hidden), (v.hidden, v.hidden), *mlp]
+
+
+def _copies(shapes: list[tuple[int, int]], layers: int, max_bytes: int = 512 * 2**20) -> int:
+    """How many layers' weights a measurement streams: a forward reads each layer's weights once, so repeating
+    one layer's (11 MB at the `small` preset, under a 32 MB last-level cache) would measure a cache-hot rate."""
+    return max(1, min(layers, max_bytes // sum(4 * k * n for k, n in shapes)))
+
+
+def _gemm_runner(shapes: list[tuple[int, int]], dtype: str, tokens: int, layers: int = 1
+                 ) -> tuple[Callable[[], None], float]:
+    """A function running `shapes`' GEMMs (nn.Linear's layout) on `tokens` rows in turn, through `layers` copies
+    of the weights (`_copies`), and its FLOPs."""
     import torch
 
     dt = torch.float32 if dtype == "fp32" else torch.bfloat16
-    h, d, i = dims.hidden, dims.head_dim, dims.intermediate
-    shapes = [(h, dims.heads * d), (h, dims.kv_heads * d), (h, dims.kv_heads * d), (dims.heads * d, h), (h, i),
-              (h, i), (i, h)]
     gen = torch.Generator().manual_seed(0)
     inputs = {k: torch.randn(tokens, k, generator=gen, dtype=dt) for k in {k for k, _ in shapes}}
-    weights = [torch.randn(n, k, generator=gen, dtype=dt) for k, n in shapes]  # nn.Linear's (out, in) layout
+    copies = _copies(shapes, layers)
+    weights = [[torch.randn(n, k, generator=gen, dtype=dt) for k, n in shapes] for _ in range(copies)]
 
-    def run():
-        for (k, _), w in zip(shapes, weights, strict=True):
-            torch.nn.functional.linear(inputs[k], w)
+    def run() -> None:
+        for layer in weights:
+            for (k, _), w in zip(shapes, layer, strict=True):
+                torch.nn.functional.linear(inputs[k], w)
 
-    return sum(2.0 * tokens * k * n for k, n in shapes) / _median_s(run, repeats)
+    return run, copies * sum(2.0 * tokens * k * n for k, n in shapes)
+
+
+def matmul_flops(dims: ModelDims, dtype: str = "fp32", tokens: int = 1024, repeats: int = 15) -> float:
+    """FLOP/s of the decoder layers' projections (q, k, v, o, gate, up, down) for `tokens` tokens, run in turn,
+    each layer's own weights (`_copies`)."""
+    run, flops = _gemm_runner(_llm_shapes(dims), dtype, tokens, dims.layers)
+    return flops / _median_s(run, repeats)
+
+
+def gemm_efficiency(dims: ModelDims, dtype: str = "fp32", repeats: int = 5) -> dict[str, float]:
+    """The GEMM rate at other row counts, relative to the decoder layer's at 1024 rows (`matmul_flops`): keys
+    "{dtype}:llm:{rows}" for the decoder layer's shapes and "{dtype}:vision:{rows}" for a vision block's (its
+    patches). A forward's GEMMs have as many rows as it has tokens; a CPU (like a GPU) reaches less of its peak on
+    a 289-token prefix or a 64-wide vision projection than on 1024 x 1376, so the step model prices each phase at
+    its own size. Timed in turns with the reference, so a drift of the machine cancels out of the ratios."""
+    runs, flops = {}, {}
+    towers = [("llm", _llm_shapes(dims), dims.layers)]
+    if dims.vision:
+        towers.append(("vision", _vision_shapes(dims), dims.vision.depth))
+    for tower, shapes, layers in towers:
+        for rows in GEMM_TOKENS:
+            key = f"{dtype}:{tower}:{rows}"
+            runs[key], flops[key] = _gemm_runner(shapes, dtype, rows, layers)
+    seconds = _round_robin_medians(runs, repeats, warmup=1)
+    reference = flops[f"{dtype}:llm:1024"] / seconds[f"{dtype}:llm:1024"]
+    return {k: flops[k] / seconds[k] / reference for k in runs}
 
 
 def attention_flops(dims: ModelDims, dtype: str = "fp32", seq: int = 512, repeats: int = 7) -> float:
@@ -177,23 +231,15 @@ def decode_overheads(repeats: int = 5, rows: int = 8, tokens: int = 24) -> dict[
             "shared_decode_layer_overhead_s": shared_layer}
 
 
-def decode_bandwidth(dims: ModelDims, rows: int = 8, repeats: int = 7) -> float:
-    """Bytes/s at which GEMMs of `rows` rows (a decode step's batch) read one decoder layer's weights, fp32: what
-    decoding reaches here (a CPU's skinny GEMMs stream their weights well below a copy's bandwidth)."""
-    import torch
-
-    h, d, i = dims.hidden, dims.head_dim, dims.intermediate
-    shapes = [(h, dims.heads * d), (h, dims.kv_heads * d), (h, dims.kv_heads * d), (dims.heads * d, h), (h, i),
-              (h, i), (i, h)]
-    gen = torch.Generator().manual_seed(0)
-    inputs = {k: torch.randn(rows, k, generator=gen) for k in {k for k, _ in shapes}}
-    weights = [torch.randn(n, k, generator=gen) for k, n in shapes]
-
-    def run():
-        for (k, _), w in zip(shapes, weights, strict=True):
-            torch.nn.functional.linear(inputs[k], w)
-
-    return sum(4.0 * k * n for k, n in shapes) / _median_s(run, repeats * 5)
+def decode_bandwidth(dims: ModelDims, rows: int = 8, repeats: int = 7, dtype: str = "fp32") -> float:
+    """Bytes/s at which GEMMs of `rows` rows (a decode step's batch) read the decoder layers' weights at `dtype`:
+    what decoding reaches here (a CPU's skinny GEMMs stream their weights well below a copy's bandwidth, and bf16
+    ones at their own rate). A decode step reads every layer once, so each layer's own weights are streamed in
+    turn (`_copies`)."""
+    shapes = _llm_shapes(dims)
+    run, flops = _gemm_runner(shapes, dtype, rows, dims.layers)
+    weight_bytes = flops / (2.0 * rows) * (4 if dtype == "fp32" else 2)  # 2 FLOPs per weight per row
+    return weight_bytes / _median_s(run, repeats * 5)
 
 
 def vision_block_overhead(repeats: int = 10) -> float:
@@ -271,7 +317,9 @@ def calibrate(dims: ModelDims, quick: bool = False, collectives: bool = False) -
            "bf16_flops": matmul_flops(dims, "bf16", repeats=reps),
            "fp32_attention_flops": attention_flops(dims, "fp32", repeats=reps),
            "bf16_attention_flops": attention_flops(dims, "bf16", repeats=reps),
-           "mem_bw": memory_bandwidth(repeats=reps), "decode_bw": decode_bandwidth(dims, repeats=reps)}
+           "mem_bw": memory_bandwidth(repeats=reps), "decode_bw": decode_bandwidth(dims, repeats=reps),
+           "bf16_decode_bw": decode_bandwidth(dims, repeats=reps, dtype="bf16"),
+           **gemm_efficiency(dims, "fp32", repeats=reps), **gemm_efficiency(dims, "bf16", repeats=reps)}
     out.update(overheads(repeats=10 if quick else 30))
     if collectives:
         out["collective_latency_s"] = collective_latency()
@@ -279,7 +327,8 @@ def calibrate(dims: ModelDims, quick: bool = False, collectives: bool = False) -
 
 
 def cpu_hardware(rates: dict[str, float], threads_share: float = 1.0) -> Hardware:
-    """The `cpu` entry: measured rates (already achieved ones: mfu = mbu = 1), one device, no links beyond memory.
+    """The `cpu` entry: measured rates (already achieved ones: mfu = mbu = 1), one device, no links beyond memory;
+    the GEMM rate at other sizes as measured (`gemm_efficiency`; calibrations before it: one rate for all).
     `threads_share` scales compute and bandwidth for a rank that gets part of the cores (Megatron t = 2 on 2 cores:
     0.5)."""
     bw = rates["mem_bw"] * threads_share
@@ -297,5 +346,7 @@ def cpu_hardware(rates: dict[str, float], threads_share: float = 1.0) -> Hardwar
         decode_layer_overhead_s=rates.get("decode_layer_overhead_s"),
         shared_decode_layer_overhead_s=rates.get("shared_decode_layer_overhead_s"),
         decode_bw=rates["decode_bw"] * threads_share if "decode_bw" in rates else None,
+        bf16_decode_bw=rates["bf16_decode_bw"] * threads_share if "bf16_decode_bw" in rates else None,
         vision_block_overhead_s=rates.get("vision_block_overhead_s", 0.0),
+        gemm_efficiency={k: v for k, v in rates.items() if k.count(":") == 2} or None,  # "fp32:llm:256": 0.8
         source="this machine, measured by planning/calibrate.py")

@@ -24,6 +24,7 @@ H200, 81,920 MiB for the A100 80GB).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 TB, GB = 1e12, 1e9
@@ -50,11 +51,15 @@ class Hardware:
     decode_layer_overhead_s: float | None = None  # per layer per decode step (None: layer_overhead_s)
     shared_decode_layer_overhead_s: float | None = None  # the same with shared-prefix decoding (two-part attention)
     decode_bw: float | None = None  # bytes/s a decode step's weight reads reach (CPU: a skinny GEMM; None: mem_bw)
+    bf16_decode_bw: float | None = None  # the same in bf16 where measured apart (None: decode_bw)
     vision_block_overhead_s: float = 0.0  # per vision-tower block per video run (window attention's small ops)
     overheads_occupy_compute: bool = False  # CPU: Python and kernels share the cores (no idle compute to hide in)
     fp32_flops: float | None = None  # CPU: fp32 matmul rate where it differs (the benchmarks run fp32)
     attention_flops: float | None = None  # CPU: achieved rate of the attention kernels (GPUs: the GEMM rate)
     fp32_attention_flops: float | None = None
+    # CPU: the GEMM rate at other row counts relative to the reference one, "{precision}:{llm|vision}:{rows}" ->
+    # ratio (calibrate.gemm_efficiency); None: one rate for every size (the GPU entries: mfu is an assumption)
+    gemm_efficiency: dict[str, float] | None = None
     source: str = ""
 
     def flops(self, precision: str = "bf16") -> float:
@@ -67,13 +72,30 @@ class Hardware:
         rate = self.fp32_attention_flops if precision == "fp32" else self.attention_flops
         return rate * self.mfu if rate else self.flops(precision)
 
+    def gemm_factor(self, precision: str, tower: str, rows: float) -> float:
+        """The share of `flops(precision)` a GEMM of `rows` rows reaches at `tower`'s shapes ("llm" or "vision"):
+        interpolated in log(rows) between the measured sizes, held at the ends; 1 where nothing was measured."""
+        prefix = f"{precision}:{tower}:"
+        points = sorted((int(k[len(prefix):]), v) for k, v in (self.gemm_efficiency or {}).items()
+                        if k.startswith(prefix))
+        if not points or rows <= 0:
+            return 1.0
+        if rows <= points[0][0]:
+            return points[0][1]
+        for (r0, f0), (r1, f1) in zip(points, points[1:], strict=False):
+            if rows <= r1:
+                w = math.log(rows / r0) / math.log(r1 / r0)
+                return f0 + w * (f1 - f0)
+        return points[-1][1]
+
     def bandwidth(self) -> float:
         return self.mem_bw * self.mbu
 
-    def decode_bandwidth(self) -> float:
-        """Bytes/s of a decode step's weight and K/V reads: GEMMs of a few rows stream their weights (on a CPU
-        well below a copy's bandwidth: measured apart)."""
-        return self.decode_bw * self.mbu if self.decode_bw else self.bandwidth()
+    def decode_bandwidth(self, precision: str = "bf16") -> float:
+        """Bytes/s of a decode step's weight and K/V reads at `precision`: GEMMs of a few rows stream their weights
+        (on a CPU well below a copy's bandwidth, and bf16 ones at their own rate: measured apart)."""
+        measured = (self.bf16_decode_bw if precision == "bf16" else None) or self.decode_bw
+        return measured * self.mbu if measured else self.bandwidth()
 
     def decode_layer_cost_s(self, shared: bool) -> float:
         """Seconds per decoder layer per decode step outside the counted work (0 on GPUs: CUDA graphs)."""

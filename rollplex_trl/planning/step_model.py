@@ -13,6 +13,8 @@ Every phase is counted as work, then priced on a device (planning/hardware.py):
 
 A phase takes max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth) + link bytes / link bandwidth + per-call
 overheads (kernel launches, or on CPU the framework's Python per layer and per call: hardware.py, calibrate.py).
+Where the device measured its GEMM rate at several sizes (the calibrated CPU), each phase's GEMMs are priced at
+their own rows per call (tokens of one forward; patches of one vision run): `Hardware.gemm_factor`.
 
 Schedules (what each mechanism changes, `Mechanisms`):
 
@@ -127,6 +129,8 @@ class PhaseCost:
     mem_bytes: float = 0.0  # read by the GEMM/attention kernels themselves: weights, K/V (overlaps their compute)
     elementwise_bytes: float = 0.0  # norms, RoPE, SwiGLU, residuals, logits: separate memory-bound kernels
     link_bytes: float = 0.0
+    linear_efficiency: float = 1.0  # of the device's GEMM rate, at this phase's rows per GEMM (CPU: measured)
+    vision_efficiency: float = 1.0  # the same for the vision tower's GEMMs (patches per run)
     compute_s: float = 0.0
     memory_s: float = 0.0
     elementwise_s: float = 0.0
@@ -271,9 +275,9 @@ class _Pricer:
         rate, attn_rate = hw.flops(self.spec.precision), hw.attention_rate(self.spec.precision)
         vit = vision_tp or tp
         linear = cost.flops - cost.vision_flops - cost.attention_flops
-        cost.compute_s = (linear / (tp * rate) + cost.attention_flops / (tp * attn_rate)
-                          + cost.vision_flops / (vit * rate))
-        cost.memory_s = cost.mem_bytes / (hw.decode_bandwidth() if steps else hw.bandwidth())
+        cost.compute_s = (linear / (tp * rate * cost.linear_efficiency) + cost.attention_flops / (tp * attn_rate)
+                          + cost.vision_flops / (vit * rate * cost.vision_efficiency))
+        cost.memory_s = cost.mem_bytes / (hw.decode_bandwidth(self.spec.precision) if steps else hw.bandwidth())
         if self.spec.autocast and calls:  # read the fp32 weights, write and read their bf16 copies, per call
             cost.elementwise_bytes += calls * self.dims.llm_params(tp) * (4 + 2 + 2)
         cost.elementwise_s = cost.elementwise_bytes / hw.bandwidth()
@@ -313,12 +317,25 @@ def predict_step(dims: ModelDims, spec: StepSpec, hw: Hardware, schedule: str | 
         return PhaseCost(name, lane, memory_phase, flops=work.total, attention_flops=work.attention,
                          vision_flops=work.vision, mem_bytes=mem, elementwise_bytes=elem)
 
+    patches = dims.vision.merge**2 if dims.vision else 1
+
+    def at_sizes(c: PhaseCost, parts: list[tuple[Work, float, float]]) -> PhaseCost:
+        """Set `c`'s GEMM efficiencies from its parts: (work, tokens per forward call, merged visual tokens per
+        call); a phase of several sizes takes the FLOP-weighted harmonic mean (what its seconds add up to)."""
+        for kind, tower, size, scale in (("linear", "llm", 1, 1), ("vision", "vision", 2, patches)):
+            flops = sum(getattr(part[0], kind) for part in parts)
+            if flops:
+                slow = sum(getattr(part[0], kind) / hw.gemm_factor(spec.precision, tower, part[size] * scale)
+                           for part in parts if getattr(part[0], kind))
+                setattr(c, f"{kind}_efficiency", flops / slow)
+        return c
+
     # rollout prefill: prompts once (shared) or G times, each with its vision-tower run (vLLM: ViT split over r)
     copies = 1 if mech.shared_prefill else G
     tokens = ne * copies * P
-    c = cost("rollout_prefill", "rollout", "rollout",
-             forward_work(dims, tokens, ne * copies * P * P / 2, ne * copies * V, ne * G),
-             decoder_weight_bytes(dims, R, vb), elementwise(tokens, ne * copies * V, R, R))
+    work = forward_work(dims, tokens, ne * copies * P * P / 2, ne * copies * V, ne * G)
+    c = at_sizes(cost("rollout_prefill", "rollout", "rollout", work, decoder_weight_bytes(dims, R, vb),
+                      elementwise(tokens, ne * copies * V, R, R)), [(work, tokens, ne * copies * V)])
     c.link_bytes, n = tp_comm(R, tokens, 1)
     phases.append(pr.price(c, R, calls=1, collectives=n, link_group=R, vision_runs=ne * copies if V else 0))
 
@@ -345,8 +362,8 @@ def predict_step(dims: ModelDims, spec: StepSpec, hw: Hardware, schedule: str | 
         for job, on in jobs:
             if not on:
                 continue
-            c = cost(job, "prefix" if mech.overlap else "train", "rollout" if mech.overlap else "score",
-                     prefix_work, dims.llm_params(T) * vb, prefix_elem)
+            c = at_sizes(cost(job, "prefix" if mech.overlap else "train", "rollout" if mech.overlap else "score",
+                              prefix_work, dims.llm_params(T) * vb, prefix_elem), [(prefix_work, P - 1, V)])
             c.link_bytes, n = tp_comm(T, nt * (P - 1), 1)
             prefix_jobs.append(pr.price(c, T, calls=nt, collectives=n, link_group=T, vision_tp=1,
                                         vision_runs=nt if V else 0))
@@ -364,6 +381,8 @@ def predict_step(dims: ModelDims, spec: StepSpec, hw: Hardware, schedule: str | 
             vis = nt * G * V
         passes = (3 + (1 if spec.recompute else 0)) if grad else 1
         work = forward_work(dims, tok, pair, vis, nt * G * C) * passes
+        per_call = spec.micro_batch / (nt * G)  # of the pass's tokens and visual tokens, per forward call
+        parts = [(work, tok * per_call, vis * per_call)]
         logits = nt * G * C * dims.vocab / T * 4 * 3  # fp32 logits, log-softmax, gather
         elem = (elementwise(tok, vis, T, 1) + logits) * passes
         mem = dims.llm_params(T) * vb * (3 if grad else 1)  # weights read per pass (forward, backward twice)
@@ -372,11 +391,12 @@ def predict_step(dims: ModelDims, spec: StepSpec, hw: Hardware, schedule: str | 
         runs = (nt * G if vis else 0.0) * (passes - 1 if grad else 1)
         if grad and mech.shared_scoring:  # the prefix's backward (and recompute) in the train phase
             work = work + prefix_work * (passes - 1)
+            parts.append((prefix_work * (passes - 1), P - 1, V))
             elem += prefix_elem * (passes - 1)
             link_tokens += nt * (P - 1) * (passes - 1)
             calls += nt * (passes - 1)
             runs += (nt if V else 0.0) * (passes - 1)
-        c = cost(kind, "train", "train" if grad else "score", work, mem, elem)
+        c = at_sizes(cost(kind, "train", "train" if grad else "score", work, mem, elem), parts)
         c.link_bytes, n = tp_comm(T, link_tokens, 1)
         return pr.price(c, T, calls=calls, collectives=n * passes, link_group=T, vision_tp=1, vision_runs=runs)
 

@@ -180,6 +180,61 @@ def test_cpu_decode_is_priced_at_the_skinny_gemm_bandwidth_plus_its_per_layer_co
     decode = predict_step(dims, spec, cpu_hardware(old), "trl").phase("rollout_decode")
     assert decode.overhead_s == pytest.approx(C * (2e-3 + 4e-4 + L * 5e-4))
     assert decode.memory_s == pytest.approx(sum(decode_bytes(dims, spec, 1, False)) / 40e9)
+    # bf16: its own skinny-GEMM rate where measured (bf16 weights and K/V: half the bytes), else the fp32 one
+    bf16 = StepSpec(**{**spec.__dict__, "precision": "bf16"})
+    for extra, rate in (({"bf16_decode_bw": 4e9}, 4e9), ({}, 10e9)):
+        decode = predict_step(dims, bf16, cpu_hardware({**rates, **extra}), "trl").phase("rollout_decode")
+        assert decode.memory_s == pytest.approx(sum(decode_bytes(dims, bf16, 1, False)) / rate)
+    assert sum(decode_bytes(dims, bf16, 1, False)) == sum(decode_bytes(dims, spec, 1, False)) / 2
+
+
+def test_cpu_gemms_are_priced_at_the_efficiency_of_their_own_size_by_hand():
+    """A calibrated CPU's GEMM rate at other row counts (`gemm_efficiency`, relative to 1024 rows): interpolated in
+    log(rows), held at the ends; each phase's linear FLOPs are priced at its tokens per forward call and its vision
+    FLOPs at its patches per call; a phase of two sizes (the actor's suffixes and its prefix's backward) at the
+    FLOP-weighted harmonic mean. The GPU entries have no curve: one rate."""
+    import math
+
+    from rollplex_trl.planning.calibrate import cpu_hardware
+
+    curve = {"fp32:llm:64": 0.5, "fp32:llm:256": 0.9, "fp32:llm:1024": 1.0,
+             "fp32:vision:64": 0.25, "fp32:vision:256": 0.5, "fp32:vision:1024": 0.8}
+    rates = {"fp32_flops": 1e11, "bf16_flops": 1e11, "fp32_attention_flops": 5e10, "bf16_attention_flops": 5e10,
+             "mem_bw": 1e15, "decode_bw": 1e15, "call_overhead_s": 0.0, "layer_overhead_s": 0.0,
+             "decode_step_overhead_s": 0.0, "decode_layer_overhead_s": 0.0, "shared_decode_layer_overhead_s": 0.0,
+             "vision_block_overhead_s": 0.0, **curve}
+    hw = cpu_hardware(rates)
+    assert hw.gemm_factor("fp32", "llm", 128) == pytest.approx(0.5 + 0.4 * 0.5)  # halfway in log(rows)
+    assert hw.gemm_factor("fp32", "llm", 16) == 0.5 and hw.gemm_factor("fp32", "llm", 5000) == 1.0
+    assert hw.gemm_factor("fp32", "vision", 512) == pytest.approx(0.5 + 0.3 * 0.5)
+    assert hw.gemm_factor("bf16", "llm", 64) == 1.0  # nothing measured at bf16: one rate
+    assert GPUS["H100"].gemm_factor("bf16", "llm", 64) == 1.0
+
+    dims = PRESETS["Qwen2.5-VL-3B"]
+    G, P, V, C = 4, 129, 32, 16  # the prefix job: 128 tokens per call; its clip: 32 x 4 = 128 patches
+    spec = StepSpec(num_gpus=1, train_tp=1, rollout_tp=1, batch=1, num_generations=G, prompt_len=P,
+                    visual_tokens=V, completion_len=C, precision="fp32", weight_sync=False, micro_batch=G,
+                    reference=False, recompute=False)
+    pred = predict_step(dims, spec, hw, "rollplex")
+    job = pred.phase("actor_prefix")
+    f_llm = 0.5 + 0.4 * math.log(128 / 64) / math.log(4)
+    f_vis = 0.25 + 0.25 * math.log(128 / 64) / math.log(4)
+    linear = job.flops - job.attention_flops - job.vision_flops
+    assert job.compute_s == pytest.approx(linear / (1e11 * f_llm) + job.attention_flops / 5e10
+                                          + job.vision_flops / (1e11 * f_vis))
+    # the actor: its G suffixes of 1 + C tokens in one call (68 rows), forward + backward (3 forwards), plus the
+    # prefix's backward (2 forwards at 128 rows, the clip's backward at 128 patches)
+    actor = pred.phase("actor")
+    suffix = forward_work(dims, G * (1 + C), G * ((1 + C) * (P - 1) + (1 + C) ** 2 / 2), 0.0, G * C) * 3
+    prefix = forward_work(dims, P - 1, (P - 1) ** 2 / 2, V, 0.0) * 2
+    f_suffix = 0.5 + 0.4 * math.log(68 / 64) / math.log(4)
+    expected = ((suffix.linear / f_suffix + prefix.linear / f_llm) / 1e11 + (suffix + prefix).attention / 5e10
+                + prefix.vision / (1e11 * f_vis))
+    assert actor.compute_s == pytest.approx(expected)
+    # the same step on a device without a curve prices every GEMM at the one rate
+    flat = predict_step(dims, spec, cpu_hardware({k: v for k, v in rates.items() if k not in curve}), "rollplex")
+    assert flat.phase("actor").compute_s == pytest.approx(
+        (suffix + prefix).linear / 1e11 + (suffix + prefix).attention / 5e10 + prefix.vision / 1e11)
 
 
 def test_rollplex_is_faster_and_each_mechanism_only_removes_work():
@@ -265,3 +320,17 @@ def test_the_calibration_runs_rollplex_decode_path_and_reports_every_rate():
     assert set(out) == {"decode_step_overhead_s", "decode_layer_overhead_s", "shared_decode_layer_overhead_s"}
     assert all(math.isfinite(v) and v >= 0 for v in out.values())
     assert decode_bandwidth(PRESETS["Qwen2.5-VL-3B"], repeats=1) > 0
+
+
+def test_the_gemm_efficiency_calibration_reports_every_size_of_both_towers(tiny_vl):
+    """Keys and signs only (the values are this machine's speed): one ratio per size per tower, the reference
+    size exactly 1."""
+    import math
+
+    from rollplex_trl.planning.calibrate import GEMM_TOKENS, gemm_efficiency
+
+    _, dims = tiny_vl
+    out = gemm_efficiency(dims, "fp32", repeats=1)
+    assert set(out) == {f"fp32:{tower}:{rows}" for tower in ("llm", "vision") for rows in GEMM_TOKENS}
+    assert out["fp32:llm:1024"] == 1.0
+    assert all(math.isfinite(v) and v > 0 for v in out.values())
