@@ -198,7 +198,8 @@ def shared_prefix_rows(dims, rates) -> list[dict]:
     for r in data["rows"]:
         G, P, C = r["G"], r["P"], r["C"]
         hw = _hw(r, rates)
-        spec = _spec(num_generations=G, prompt_len=P, visual_tokens=128, completion_len=C, micro_batch=G)
+        spec = _spec(num_generations=G, prompt_len=P, visual_tokens=128, completion_len=C, micro_batch=G,
+                     frame_patches=(8, 8))  # 16 frames of 112 x 112
         # gradient checkpointing is switched on by the Trainer's train(): on in the passes of a trainer that trained
         # first (the whole-step measurement), off where the passes were measured alone (--max-step-completion)
         serial = predict_step(dims, replace(spec, recompute=bool(r["serial"].get("step_s"))), hw, "trl")
@@ -228,7 +229,8 @@ def vs_trl_rows(dims, tiny, rates, fw: Framework) -> list[dict]:
     visual = (m["image_size"] // 28) ** 2
     P = round(m["prompt_share"] * C / (1 - m["prompt_share"]))
     spec = _spec(num_generations=G, prompt_len=P, visual_tokens=visual, completion_len=C, micro_batch=G,
-                 reference=False, recompute=False, prefill_feeds_actor=True)
+                 reference=False, recompute=False, prefill_feeds_actor=True,
+                 frame_patches=(m["image_size"] // 14,) * 2)
     trl = predict_step(dims, spec, hw, "trl").step_s + fw.extra(
         "vs_trl:trl", "step", predict_step(tiny, spec, hw, "trl").step_s)
     rp = predict_step(dims, spec, hw, _mech("rollplex", G)).step_s + fw.extra(
@@ -247,7 +249,7 @@ def overlap_rows(dims, tiny, rates, fw: Framework) -> list[dict]:
     G, C = m["G"], m["C"]
     visual = m["frames"] // 2 * (m["size"] // 28) ** 2
     spec = _spec(num_generations=G, prompt_len=visual + TEXT_TOKENS, visual_tokens=visual, completion_len=C,
-                 micro_batch=G, prefill_feeds_actor=True)
+                 micro_batch=G, prefill_feeds_actor=True, frame_patches=(m["size"] // 14,) * 2)
     pred = {}
     for mode, mech in (("serial", "trl"), ("shared", _mech("rollplex", G)),
                        ("overlap", _mech("rollplex", G, overlap=True))):
@@ -285,7 +287,7 @@ def megatron_rows(dims, tiny, rates, fw: Framework) -> list[dict]:
     visual = 4 // 2 * (56 // 28) ** 2  # bench_megatron.py's defaults: 4 frames of 56 x 56
     spec = _spec(num_generations=G, prompt_len=visual + TEXT_TOKENS, visual_tokens=visual, completion_len=C,
                  batch=2, micro_batch=2 * G, precision="fp32" if fp32 else "bf16", autocast=not fp32,
-                 prefill_feeds_actor=True)
+                 prefill_feeds_actor=True, frame_patches=(56 // 14, 56 // 14))
     rows_by_run = {r["run"]: r for r in data["rows"]}
     t2_spec = replace(spec, num_gpus=2, train_tp=2, rollout_tp=2, batch=2)
     pred = {}
@@ -385,7 +387,11 @@ def markdown(out: dict) -> str:
         "",
         f"Rates (the first run's first calibration): GEMM {r['fp32_flops'] / 1e9:.0f} GFLOP/s fp32, "
         f"{r['bf16_flops'] / 1e9:.0f} bf16; attention "
-        f"{r['fp32_attention_flops'] / 1e9:.0f} / {r['bf16_attention_flops'] / 1e9:.0f}; copy "
+        f"{r['fp32_attention_flops'] / 1e9:.0f} / {r['bf16_attention_flops'] / 1e9:.0f}, at one query per row "
+        f"{r.get('fp32_decode_attention_flops', 0) / 1e9:.0f} / {r.get('bf16_decode_attention_flops', 0) / 1e9:.0f}; "
+        f"vision tower factors fp32 {r.get('fp32_vision_forward_factor', 1):.2f} forward, "
+        f"{r.get('fp32_vision_train_factor', 1):.2f} trained, bf16 {r.get('bf16_vision_forward_factor', 1):.2f} / "
+        f"{r.get('bf16_vision_train_factor', 1):.2f}; copy "
         f"{r['mem_bw'] / 1e9:.1f} GB/s; decode weight reads {r.get('decode_bw', 0) / 1e9:.1f} GB/s; overheads per "
         f"call {r['call_overhead_s'] * 1e3:.2f} ms, per layer {r['layer_overhead_s'] * 1e3:.2f} ms, per decode step "
         f"{r['decode_step_overhead_s'] * 1e3:.2f} ms + per layer {r.get('decode_layer_overhead_s', 0) * 1e3:.2f} "

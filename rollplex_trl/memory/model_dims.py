@@ -35,6 +35,10 @@ class VisionDims:
     layer_norm: bool = False
     position_embeddings: int = 0
     deepstack_levels: int = 0
+    # Attention (FLOPs only): most blocks attend within windows of `window` pixels per side of one frame (Qwen2.5-VL:
+    # 112), `full_attention_blocks` of them over the whole frame (Qwen2.5-VL: 4 of 32); window 0: every block does
+    window: int = 112
+    full_attention_blocks: int = 4
 
     def _norm(self, width: int) -> int:
         return 2 * width if self.layer_norm else width  # LayerNorm has a bias, RMSNorm does not
@@ -172,6 +176,9 @@ def dims_from_config(config: PretrainedConfig, name: str) -> ModelDims:
         vit_hidden = getattr(vc, "hidden_size", None) or vc.embed_dim
         positions = getattr(vc, layout.position_embeddings_field) if layout and layout.position_embeddings_field else 0
         deepstack = len(getattr(vc, layout.deepstack_field)) if layout and layout.deepstack_field else 0
+        # Qwen2-VL (read with Qwen2.5-VL's layout) has no window_size: every block attends over the whole frame
+        window = (getattr(vc, layout.window_field, None) or 0) if layout and layout.window_field else 0
+        full_blocks = len(getattr(vc, layout.full_attention_blocks_field, None) or ()) if window else vc.depth
         vision = VisionDims(
             depth=vc.depth,
             hidden=vit_hidden,
@@ -186,6 +193,8 @@ def dims_from_config(config: PretrainedConfig, name: str) -> ModelDims:
             layer_norm=layout.layer_norm if layout else False,
             position_embeddings=positions,
             deepstack_levels=deepstack,
+            window=window,
+            full_attention_blocks=full_blocks,
         )
     tied = getattr(config, "tie_word_embeddings", None)
     if tied is None:

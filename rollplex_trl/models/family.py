@@ -35,6 +35,10 @@ class VisionLayout:
     layer_norm: bool
     position_embeddings_field: str | None = None
     deepstack_field: str | None = None
+    # window attention (the step model's vision attention FLOPs): the window side in pixels and the indexes of the
+    # blocks that attend over the whole frame instead; without them every block attends over the whole frame
+    window_field: str | None = None
+    full_attention_blocks_field: str | None = None
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,22 @@ def attention_flops(dims: ModelDims, dtype: str = "fp32", seq: int = 512, repeat
     return flops / _median_s(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), repeats)
 
 
+def decode_attention_flops(dims: ModelDims, dtype: str = "fp32", rows: int = 8, keys: int = 256,
+                           repeats: int = 7) -> float:
+    """FLOP/s of scaled-dot-product attention at one query per row over `keys` cached keys (a decode step), as
+    transformers calls it without a mask (grouped K/V heads passed as they are: `enable_gqa`)."""
+    import torch
+    import torch.nn.functional as F
+
+    dt = torch.float32 if dtype == "fp32" else torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, dims.heads, 1, dims.head_dim, generator=gen, dtype=dt)
+    k, v = (torch.randn(rows, dims.kv_heads, keys, dims.head_dim, generator=gen, dtype=dt) for _ in range(2))
+    gqa = dims.heads != dims.kv_heads
+    flops = 4.0 * rows * dims.heads * dims.head_dim * keys
+    return flops / _median_s(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa), repeats * 5)
+
+
 def memory_bandwidth(mib: int = 256, repeats: int = 5) -> float:
     import torch
 
@@ -261,6 +277,70 @@ def vision_block_overhead(repeats: int = 10) -> float:
     return seconds / cfg.depth
 
 
+def _vision_tower(dims: ModelDims):
+    """A Qwen2.5-VL vision tower of `dims`' sizes (random weights; full-attention blocks spread evenly)."""
+    import torch
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    v = dims.vision
+    full = v.full_attention_blocks if v.window else v.depth
+    config = Qwen2_5_VLVisionConfig(
+        depth=v.depth, hidden_size=v.hidden, intermediate_size=v.intermediate, num_heads=v.heads, patch_size=v.patch,
+        temporal_patch_size=v.temporal_patch, spatial_merge_size=v.merge, out_hidden_size=v.out_hidden,
+        in_channels=v.in_channels, window_size=v.window or 10**6, hidden_act="silu",
+        fullatt_block_indexes=[round((i + 1) * v.depth / full) - 1 for i in range(full)])
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return Qwen2_5_VisionTransformerPretrainedModel(config)
+
+
+VISION_TOWER_SIZE = 448  # the image the tower factors are measured on (1,024 patches: one 448 x 448 image)
+
+
+def vision_tower_factors(dims: ModelDims, rates: dict[str, float], dtype: str = "fp32",
+                         repeats: int = 5) -> dict[str, float]:
+    """The vision tower run whole on one 448 x 448 image, forward and forward + backward, against the step model's
+    price of the same run at `rates`: measured seconds beyond its priced elementwise kernels and block overheads,
+    over the priced seconds of its FLOPs. On a CPU its convolution, attention backward and layout copies run well
+    below the GEMM rate (small preset, fp32: ~1.2 forward, ~1.6 trained). Qwen2.5-VL's layout only (gated MLP):
+    {} for other towers; {} for towers too large to run here in seconds (over 20 GFLOP per image). Keys:
+    "fp32_vision_forward_factor", "fp32_vision_train_factor" (and bf16)."""
+    import torch
+
+    from rollplex_trl.planning.step_model import vision_tower_seconds
+    from rollplex_trl.prefix.cost import vision_flops_per_visual_token
+
+    v = dims.vision
+    side = VISION_TOWER_SIZE // v.patch if v else 0
+    visual = side * side / v.merge**2 if v else 0
+    if v is None or not v.gated_mlp or vision_flops_per_visual_token(dims, (side, side)) * visual > 20e9:
+        return {}
+    tower = _vision_tower(dims)
+    if dtype == "bf16":
+        tower = tower.to(torch.bfloat16)
+    grid = torch.tensor([[1, side, side]])
+    pixels = torch.randn(side * side, v.in_channels * v.temporal_patch * v.patch**2,
+                         generator=torch.Generator().manual_seed(0)).to(next(tower.parameters()).dtype)
+
+    def forward():
+        with torch.no_grad():
+            tower(pixels, grid_thw=grid)
+
+    def train():
+        out = tower(pixels, grid_thw=grid)
+        hidden = out.pooler_output if hasattr(out, "pooler_output") else out
+        hidden.float().square().mean().backward()
+
+    measured = _round_robin_medians({"forward": forward, "train": train}, repeats, warmup=2)
+    hw = cpu_hardware(rates)
+    out = {}
+    for kind, seconds in measured.items():
+        priced, flops_s = vision_tower_seconds(dims, hw, dtype, (side, side), visual, train=kind == "train")
+        out[f"{dtype}_vision_{kind}_factor"] = max(0.1, (seconds - (priced - flops_s)) / flops_s)
+    return out
+
+
 def _allreduce_worker(rank: int, world: int, port: int, rounds: int, numel: int) -> None:
     """One rank of `collective_latency` (its own interpreter): rank 0 prints the median seconds per all-reduce."""
     import torch
@@ -317,10 +397,14 @@ def calibrate(dims: ModelDims, quick: bool = False, collectives: bool = False) -
            "bf16_flops": matmul_flops(dims, "bf16", repeats=reps),
            "fp32_attention_flops": attention_flops(dims, "fp32", repeats=reps),
            "bf16_attention_flops": attention_flops(dims, "bf16", repeats=reps),
+           "fp32_decode_attention_flops": decode_attention_flops(dims, "fp32", repeats=reps),
+           "bf16_decode_attention_flops": decode_attention_flops(dims, "bf16", repeats=reps),
            "mem_bw": memory_bandwidth(repeats=reps), "decode_bw": decode_bandwidth(dims, repeats=reps),
            "bf16_decode_bw": decode_bandwidth(dims, repeats=reps, dtype="bf16"),
            **gemm_efficiency(dims, "fp32", repeats=reps), **gemm_efficiency(dims, "bf16", repeats=reps)}
     out.update(overheads(repeats=10 if quick else 30))
+    out.update(vision_tower_factors(dims, out, "fp32", repeats=reps))
+    out.update(vision_tower_factors(dims, out, "bf16", repeats=reps))
     if collectives:
         out["collective_latency_s"] = collective_latency()
     return out
@@ -336,6 +420,9 @@ def cpu_hardware(rates: dict[str, float], threads_share: float = 1.0) -> Hardwar
         name="cpu", peak_flops=rates["bf16_flops"] * threads_share, fp32_flops=rates["fp32_flops"] * threads_share,
         attention_flops=rates["bf16_attention_flops"] * threads_share,
         fp32_attention_flops=rates["fp32_attention_flops"] * threads_share,
+        # calibrations before the decode attention was measured apart: the attention rate
+        decode_attention_flops=rates.get("bf16_decode_attention_flops", 0.0) * threads_share or None,
+        fp32_decode_attention_flops=rates.get("fp32_decode_attention_flops", 0.0) * threads_share or None,
         mem_bw=bw, intra_bw=bw, inter_bw=bw, host_bw=0.0, mem_gib=1e9, gpus_per_node=64, mfu=1.0, mbu=1.0,
         collective_latency_s=rates.get("collective_latency_s", 0.0), overheads_occupy_compute=True,
         layer_overhead_s=rates["layer_overhead_s"],
@@ -349,4 +436,6 @@ def cpu_hardware(rates: dict[str, float], threads_share: float = 1.0) -> Hardwar
         bf16_decode_bw=rates["bf16_decode_bw"] * threads_share if "bf16_decode_bw" in rates else None,
         vision_block_overhead_s=rates.get("vision_block_overhead_s", 0.0),
         gemm_efficiency={k: v for k, v in rates.items() if k.count(":") == 2} or None,  # "fp32:llm:256": 0.8
+        vision_tower_factors={f"{p}:{k}": rates[f"{p}_vision_{k}_factor"] for p in ("fp32", "bf16")
+                              for k in ("forward", "train") if f"{p}_vision_{k}_factor" in rates} or None,
         source="this machine, measured by planning/calibrate.py")

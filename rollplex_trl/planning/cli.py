@@ -46,7 +46,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--num-generations", type=int, help="G: completions per prompt")
     p.add_argument("--prompt-len", type=int, help="P: prompt tokens, video included (90%% video assumed)")
     p.add_argument("--frames", type=int, help="frames per video (instead of --prompt-len)")
-    p.add_argument("--frame-size", default="448x448", help="WxH of a frame after resizing (with --frames)")
+    p.add_argument("--frame-size", default="448x448",
+                   help="WxH of a frame after resizing: with --frames its visual tokens; always the span of the "
+                        "vision tower's attention")
     p.add_argument("--completion-len", type=int, help="C: completion tokens")
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--micro-batch", type=int, default=1)
@@ -89,6 +91,13 @@ def visual_tokens(frames: int, size: str, temporal_patch: int = 2, unit: int = 2
     return math.ceil(frames / temporal_patch) * max(1, w // unit) * max(1, h // unit)
 
 
+def frame_patches(size: str, unit: int = 28, merge: int = 2) -> tuple[int, int]:
+    """One frame's height x width in patches (`size` WxH rounded down to `unit`-pixel merged tokens, as
+    `visual_tokens` counts them): what the vision tower's attention spans."""
+    w, h = (int(x) for x in size.lower().split("x"))
+    return max(1, h // unit) * merge, max(1, w // unit) * merge
+
+
 def build(args: argparse.Namespace) -> tuple[RunPlan, dict]:
     from rollplex_trl.memory.model_dims import resolve_model
 
@@ -102,12 +111,15 @@ def build(args: argparse.Namespace) -> tuple[RunPlan, dict]:
     else:
         prompt = s["prompt_len"]
         v = 0.9 * prompt if model.vision else 0.0
+    unit = model.vision.patch * model.vision.merge if model.vision else 28
+    frame = frame_patches(args.frame_size, unit, model.vision.merge if model.vision else 2)
     hw = resolve_hardware(s["gpu"], peak_flops=_scaled(args.peak_tflops, 1e12), mem_bw=_scaled(args.mem_bw_tbs, 1e12),
                           intra_bw=_scaled(args.nvlink_gbs, 1e9), inter_bw=_scaled(args.network_gbs, 1e9),
                           mem_gib=args.mem_gib, mfu=args.mfu, mbu=args.mbu)
     spec = StepSpec(num_gpus=s["num_gpus"], train_tp=s["train_tp"], rollout_tp=s["rollout_tp"], batch=s["batch"],
                     num_generations=s["num_generations"], prompt_len=int(prompt), visual_tokens=float(v),
-                    completion_len=s["completion_len"], precision=args.precision, micro_batch=args.micro_batch,
+                    completion_len=s["completion_len"], frame_patches=frame, precision=args.precision,
+                    micro_batch=args.micro_batch,
                     reference=not args.no_reference, old_pass=args.old_pass, recompute=not args.no_recompute,
                     incompatible_fraction=args.incompatible_fraction)
     settings = RunSettings(offload=not args.no_offload, weight_sharing=not args.no_weight_sharing)

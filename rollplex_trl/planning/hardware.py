@@ -57,9 +57,16 @@ class Hardware:
     fp32_flops: float | None = None  # CPU: fp32 matmul rate where it differs (the benchmarks run fp32)
     attention_flops: float | None = None  # CPU: achieved rate of the attention kernels (GPUs: the GEMM rate)
     fp32_attention_flops: float | None = None
+    # CPU: the attention kernel's rate at one query per row (a decode step), where measured: PyTorch's CPU flash
+    # kernel reaches ~37 GFLOP/s in fp32 but ~5 in bf16 there (GPUs: None, the attention rate)
+    decode_attention_flops: float | None = None
+    fp32_decode_attention_flops: float | None = None
     # CPU: the GEMM rate at other row counts relative to the reference one, "{precision}:{llm|vision}:{rows}" ->
     # ratio (calibrate.gemm_efficiency); None: one rate for every size (the GPU entries: mfu is an assumption)
     gemm_efficiency: dict[str, float] | None = None
+    # CPU: the vision tower run whole vs its priced GEMMs, "{precision}:{forward|train}" -> measured / priced
+    # seconds of its FLOPs (its convolution, attention backward and layout copies; planning/calibrate.py)
+    vision_tower_factors: dict[str, float] | None = None
     source: str = ""
 
     def flops(self, precision: str = "bf16") -> float:
@@ -71,6 +78,17 @@ class Hardware:
         """Achieved FLOP/s of the attention products (fused kernels), where measured apart from the GEMMs."""
         rate = self.fp32_attention_flops if precision == "fp32" else self.attention_flops
         return rate * self.mfu if rate else self.flops(precision)
+
+    def decode_attention_rate(self, precision: str = "bf16") -> float:
+        """Achieved FLOP/s of the attention products of a decode step (one query per row)."""
+        rate = self.fp32_decode_attention_flops if precision == "fp32" else self.decode_attention_flops
+        return rate * self.mfu if rate else self.attention_rate(precision)
+
+    def vision_tower_factor(self, precision: str, train: bool) -> float:
+        """How much longer the vision tower's FLOPs take than its GEMMs' rate says, run forward or trained
+        (forward + backward), where measured; 1 elsewhere."""
+        key = f"{precision}:{'train' if train else 'forward'}"
+        return (self.vision_tower_factors or {}).get(key, 1.0)
 
     def gemm_factor(self, precision: str, tower: str, rows: float) -> float:
         """The share of `flops(precision)` a GEMM of `rows` rows reaches at `tower`'s shapes ("llm" or "vision"):

@@ -79,6 +79,8 @@ class StepSpec:
     num_generations: int = 8
     prompt_len: int = 3072  # P: tokens of the prompt, visual tokens included
     visual_tokens: float = 0.9 * 3072  # of P: merged vision-tower outputs
+    frame_patches: tuple[int, int] = (32, 32)  # one frame's height x width in patches (448 x 448): the vision
+    # tower attends within windows of it (Qwen2.5-VL) or over all of it
     completion_len: int = 768  # C
     precision: str = "bf16"  # bf16 or fp32: bytes of weights, K/V and activations, and the FLOP rate
     micro_batch: int = 1  # sequences per training/scoring forward on one data-parallel rank
@@ -127,6 +129,7 @@ class PhaseCost:
     attention_flops: float = 0.0  # of `flops`: the q.k and p.v products (their own rate on CPU)
     vision_flops: float = 0.0  # of `flops`: the vision tower's (replicated over training TP: not split)
     mem_bytes: float = 0.0  # read by the GEMM/attention kernels themselves: weights, K/V (overlaps their compute)
+    kv_bytes: float = 0.0  # of mem_bytes, the K/V a decode phase's attention reads (its weights are the rest)
     elementwise_bytes: float = 0.0  # norms, RoPE, SwiGLU, residuals, logits: separate memory-bound kernels
     link_bytes: float = 0.0
     linear_efficiency: float = 1.0  # of the device's GEMM rate, at this phase's rows per GEMM (CPU: measured)
@@ -214,15 +217,18 @@ class Work:
         return Work(self.linear * k, self.attention * k, self.vision * k)
 
 
-def forward_work(dims: ModelDims, tokens: float, pairs: float, visual: float, scored: float) -> Work:
+def forward_work(dims: ModelDims, tokens: float, pairs: float, visual: float, scored: float,
+                 frame: tuple[int, int] | None = None) -> Work:
     """Forward FLOPs of `tokens` through the decoder, `pairs` (query, key) attention pairs, `visual` merged visual
-    tokens through the vision tower and `scored` positions through the LM head (prefix/cost.py's terms)."""
+    tokens through the vision tower (its attention over frames of `frame` patches, if given) and `scored` positions
+    through the LM head (prefix/cost.py's terms)."""
     return Work(tokens * linear_flops_per_token(dims) + scored * head_flops_per_token(dims),
-                pairs * attention_flops_per_pair(dims), visual * vision_flops_per_visual_token(dims))
+                pairs * attention_flops_per_pair(dims), visual * vision_flops_per_visual_token(dims, frame))
 
 
-def forward_flops(dims: ModelDims, tokens: float, pairs: float, visual: float, scored: float) -> float:
-    return forward_work(dims, tokens, pairs, visual, scored).total
+def forward_flops(dims: ModelDims, tokens: float, pairs: float, visual: float, scored: float,
+                  frame: tuple[int, int] | None = None) -> float:
+    return forward_work(dims, tokens, pairs, visual, scored, frame).total
 
 
 def elementwise_values_per_token(dims: ModelDims, tp: int = 1) -> float:
@@ -275,9 +281,19 @@ class _Pricer:
         rate, attn_rate = hw.flops(self.spec.precision), hw.attention_rate(self.spec.precision)
         vit = vision_tp or tp
         linear = cost.flops - cost.vision_flops - cost.attention_flops
-        cost.compute_s = (linear / (tp * rate * cost.linear_efficiency) + cost.attention_flops / (tp * attn_rate)
-                          + cost.vision_flops / (vit * rate * cost.vision_efficiency))
+        if steps:  # one query per row: the CPU's fused kernel is slow there; the shared-prefix decode's prompt part
+            # is one batched matmul per prompt (prefix/cascade.py): the GEMM rate
+            attn_rate = rate if shared_decode else hw.decode_attention_rate(self.spec.precision)
+        gemm_s = linear / (tp * rate * cost.linear_efficiency)
+        attention_s = cost.attention_flops / (tp * attn_rate)
+        cost.compute_s = gemm_s + attention_s + cost.vision_flops / (vit * rate * cost.vision_efficiency)
         cost.memory_s = cost.mem_bytes / (hw.decode_bandwidth(self.spec.precision) if steps else hw.bandwidth())
+        if steps:  # a decode step's kernels run one after another, each at the larger of its compute and its reads:
+            # the GEMMs stream the weights, the attention reads the K/V
+            kv_s = cost.kv_bytes / hw.decode_bandwidth(self.spec.precision)
+            kernels_s = max(gemm_s, cost.memory_s - kv_s) + max(attention_s, kv_s)
+        else:
+            kernels_s = max(cost.compute_s, cost.memory_s)
         if self.spec.autocast and calls:  # read the fp32 weights, write and read their bf16 copies, per call
             cost.elementwise_bytes += calls * self.dims.llm_params(tp) * (4 + 2 + 2)
         cost.elementwise_s = cost.elementwise_bytes / hw.bandwidth()
@@ -286,11 +302,26 @@ class _Pricer:
         cost.overhead_s = (calls * (hw.call_overhead_s + dims.layers * hw.layer_overhead_s)
                            + steps * (hw.decode_step_overhead_s + dims.layers * hw.decode_layer_cost_s(shared_decode))
                            + vision_runs * (dims.vision.depth if dims.vision else 0) * hw.vision_block_overhead_s)
-        cost.seconds = max(cost.compute_s, cost.memory_s) + cost.elementwise_s + cost.link_s + cost.overhead_s
+        cost.seconds = kernels_s + cost.elementwise_s + cost.link_s + cost.overhead_s
         parts = {"compute": cost.compute_s, "memory": cost.memory_s + cost.elementwise_s, "link": cost.link_s,
                  "overhead": cost.overhead_s}
         cost.bound = max(parts, key=parts.get)
         return cost
+
+
+def vision_tower_seconds(dims: ModelDims, hw: Hardware, precision: str, frame: tuple[int, int], visual: float,
+                         train: bool) -> tuple[float, float]:
+    """(all seconds, seconds of its FLOPs) the step model gives one vision-tower run over `visual` merged tokens
+    of `frame` patches, forward or forward + backward, before any tower factor: what planning/calibrate.py's
+    `vision_tower_factors` compares a measured run with."""
+    spec = StepSpec(num_gpus=1, train_tp=1, rollout_tp=1, batch=1, precision=precision, frame_patches=frame)
+    passes = 3 if train else 1
+    work = forward_work(dims, 0.0, 0.0, visual, 0.0, frame) * passes
+    elem = visual * vision_elementwise_values_per_visual_token(dims) * spec.value_bytes * passes
+    c = PhaseCost("vision", "train", "train", flops=work.total, vision_flops=work.vision, elementwise_bytes=elem)
+    c.vision_efficiency = hw.gemm_factor(precision, "vision", visual * (dims.vision.merge**2 if dims.vision else 1))
+    _Pricer(dims, spec, hw).price(c, 1, vision_runs=passes - 1 if train else 1)
+    return c.seconds, c.compute_s
 
 
 def predict_step(dims: ModelDims, spec: StepSpec, hw: Hardware, schedule: str | Mechanisms) -> StepPrediction:
@@ -299,6 +330,7 @@ def predict_step(dims: ModelDims, spec: StepSpec, hw: Hardware, schedule: str | 
     name = schedule if isinstance(schedule, str) else "custom"
     pr = _Pricer(dims, spec, hw)
     G, P, C, V = spec.num_generations, spec.prompt_len, spec.completion_len, spec.visual_tokens
+    frame = spec.frame_patches
     R, T = spec.rollout_tp, spec.train_tp
     vb, h, L = spec.value_bytes, dims.hidden, dims.layers
     ne, nt = spec.prompts_per_engine, spec.prompts_per_train_group
@@ -319,21 +351,23 @@ def predict_step(dims: ModelDims, spec: StepSpec, hw: Hardware, schedule: str | 
 
     patches = dims.vision.merge**2 if dims.vision else 1
 
-    def at_sizes(c: PhaseCost, parts: list[tuple[Work, float, float]]) -> PhaseCost:
+    def at_sizes(c: PhaseCost, parts: list[tuple[Work, float, float]], train: bool = False) -> PhaseCost:
         """Set `c`'s GEMM efficiencies from its parts: (work, tokens per forward call, merged visual tokens per
-        call); a phase of several sizes takes the FLOP-weighted harmonic mean (what its seconds add up to)."""
+        call); a phase of several sizes takes the FLOP-weighted harmonic mean (what its seconds add up to). The
+        vision tower's also carries what the tower run whole costs beyond its GEMMs (`train`: with its backward)."""
         for kind, tower, size, scale in (("linear", "llm", 1, 1), ("vision", "vision", 2, patches)):
             flops = sum(getattr(part[0], kind) for part in parts)
             if flops:
                 slow = sum(getattr(part[0], kind) / hw.gemm_factor(spec.precision, tower, part[size] * scale)
                            for part in parts if getattr(part[0], kind))
                 setattr(c, f"{kind}_efficiency", flops / slow)
+        c.vision_efficiency /= hw.vision_tower_factor(spec.precision, train)
         return c
 
     # rollout prefill: prompts once (shared) or G times, each with its vision-tower run (vLLM: ViT split over r)
     copies = 1 if mech.shared_prefill else G
     tokens = ne * copies * P
-    work = forward_work(dims, tokens, ne * copies * P * P / 2, ne * copies * V, ne * G)
+    work = forward_work(dims, tokens, ne * copies * P * P / 2, ne * copies * V, ne * G, frame)
     c = at_sizes(cost("rollout_prefill", "rollout", "rollout", work, decoder_weight_bytes(dims, R, vb),
                       elementwise(tokens, ne * copies * V, R, R)), [(work, tokens, ne * copies * V)])
     c.link_bytes, n = tp_comm(R, tokens, 1)
@@ -345,6 +379,7 @@ def predict_step(dims: ModelDims, spec: StepSpec, hw: Hardware, schedule: str | 
     pairs = seqs * (C * P + C * (C + 1) / 2)
     c = cost("rollout_decode", "rollout", "rollout", forward_work(dims, seqs * C, pairs, 0.0, seqs * C),
              w_bytes + kv_bytes, elementwise(seqs * C, 0.0, R, R))
+    c.kv_bytes = kv_bytes
     c.link_bytes, _ = tp_comm(R, seqs * C, 1)
     waves = max(1, math.ceil(seqs / spec.max_num_seqs))
     phases.append(pr.price(c, R, steps=C * waves, collectives=2 * L * C * waves if R > 1 else 0, link_group=R,
@@ -353,7 +388,7 @@ def predict_step(dims: ModelDims, spec: StepSpec, hw: Hardware, schedule: str | 
 
     # the prefix forwards (Rollplex): reference, old, actor over P - 1 tokens per prompt, vision once, training
     # layout (ViT replicated over training TP)
-    prefix_work = forward_work(dims, nt * (P - 1), nt * (P - 1) ** 2 / 2, nt * V, 0.0)
+    prefix_work = forward_work(dims, nt * (P - 1), nt * (P - 1) ** 2 / 2, nt * V, 0.0, frame)
     prefix_elem = elementwise(nt * (P - 1), nt * V, T, 1)
     prefix_jobs: list[PhaseCost] = []
     if mech.shared_scoring:
@@ -380,7 +415,7 @@ def predict_step(dims: ModelDims, spec: StepSpec, hw: Hardware, schedule: str | 
             pair = nt * G * (P + C) ** 2 / 2
             vis = nt * G * V
         passes = (3 + (1 if spec.recompute else 0)) if grad else 1
-        work = forward_work(dims, tok, pair, vis, nt * G * C) * passes
+        work = forward_work(dims, tok, pair, vis, nt * G * C, frame) * passes
         per_call = spec.micro_batch / (nt * G)  # of the pass's tokens and visual tokens, per forward call
         parts = [(work, tok * per_call, vis * per_call)]
         logits = nt * G * C * dims.vocab / T * 4 * 3  # fp32 logits, log-softmax, gather
@@ -396,7 +431,7 @@ def predict_step(dims: ModelDims, spec: StepSpec, hw: Hardware, schedule: str | 
             link_tokens += nt * (P - 1) * (passes - 1)
             calls += nt * (passes - 1)
             runs += (nt if V else 0.0) * (passes - 1)
-        c = at_sizes(cost(kind, "train", "train" if grad else "score", work, mem, elem), parts)
+        c = at_sizes(cost(kind, "train", "train" if grad else "score", work, mem, elem), parts, train=grad)
         c.link_bytes, n = tp_comm(T, link_tokens, 1)
         return pr.price(c, T, calls=calls, collectives=n * passes, link_group=T, vision_tp=1, vision_runs=runs)
 

@@ -62,13 +62,43 @@ def attention_flops_per_pair(dims: ModelDims) -> float:
     return 4.0 * dims.heads * dims.head_dim * dims.layers
 
 
-def vision_flops_per_visual_token(dims: ModelDims) -> float:
-    """Forward FLOPs of the vision tower's blocks per merged visual token (merge**2 patches each)."""
+def vision_flops_per_visual_token(dims: ModelDims, frame: tuple[int, int] | None = None) -> float:
+    """Forward FLOPs of the vision tower per merged visual token (merge**2 patches): its blocks' projections and
+    MLPs, the patch embedding (a convolution: 2 per weight per patch), the merger and any DeepStack mergers, and,
+    given `frame` (one temporal slice's height and width in patches), the attention products (`vision_attention_
+    keys_per_patch`). Without `frame` the attention is left out: the share decision compares G tower runs with one,
+    and the attention scales alike (leaving it out understates sharing's gain)."""
     if dims.vision is None:
         return 0.0
     v = dims.vision
-    per_patch = 2.0 * v.depth * (4 * v.hidden * v.hidden + 3 * v.hidden * v.intermediate)
-    return per_patch * v.merge**2
+    mlp_matrices = 3 if v.gated_mlp else 2
+    blocks = v.depth * (4 * v.hidden * v.hidden + mlp_matrices * v.hidden * v.intermediate)
+    embed = v.in_channels * v.temporal_patch * v.patch * v.patch * v.hidden
+    merged = v.hidden * v.merge**2  # a merger's MLP runs per merged token: (merged -> merged -> out) / merge**2
+    mergers = (1 + v.deepstack_levels) * (merged * merged + merged * v.out_hidden) / v.merge**2
+    attention = 2 * v.hidden * vision_attention_keys_per_patch(dims, frame) if frame else 0.0
+    return 2.0 * (blocks + embed + mergers + attention) * v.merge**2
+
+
+def vision_attention_keys_per_patch(dims: ModelDims, frame: tuple[int, int]) -> float:
+    """Keys one patch attends to, summed over the tower's blocks, for frames of `frame` = (height, width) patches:
+    every block attends within one temporal slice (transformers' `cu_seqlens`); Qwen2.5-VL's window blocks within
+    windows of `window` pixels (`get_window_index`: whole windows from the top left, the last row and column
+    partial), its full-attention blocks over the slice. q.k and p.v cost 2 x hidden FLOPs per (query, key) each."""
+    v = dims.vision
+    height, width = frame
+    full = float(height * width)
+    if not v.window or v.full_attention_blocks >= v.depth:
+        return v.depth * full
+    side = max(1, v.window // v.merge // v.patch)  # the window's side in merged tokens
+
+    def squares(patches: int) -> int:  # the sum of the windows' squared extents along one axis, in patches
+        merged = patches // v.merge
+        parts = [side] * (merged // side) + ([merged % side] if merged % side else [])
+        return sum((n * v.merge) ** 2 for n in parts)
+
+    windowed = squares(height) * squares(width) / full  # sum over windows of size^2, per patch
+    return v.full_attention_blocks * full + (v.depth - v.full_attention_blocks) * windowed
 
 
 def head_flops(dims: ModelDims, scored_tokens: float) -> float:

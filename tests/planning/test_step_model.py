@@ -65,8 +65,14 @@ def test_tiny_dims_are_the_ones_computed_by_hand(tiny_vl):
     assert attention_flops_per_pair(dims) / dims.layers == 4 * 4 * 16  # q.k and p.v per head
     v = dims.vision
     assert (v.hidden, v.intermediate) == (32, 64)
-    # one block per patch: qkv + proj 4 x 32x32, gate/up/down 3 x 32x64 = 10,240 weights; x merge^2 patches
-    assert vision_flops_per_visual_token(dims) / v.depth == 2 * 10_240 * 4
+    # one block per patch: qkv + proj 4 x 32x32, gate/up/down 3 x 32x64 = 10,240 weights; the patch embedding
+    # 3 x 2 x 14 x 14 x 32 = 37,632; the merger (128 -> 128 -> 64) per merged token 24,576 = 6,144 per patch;
+    # 2 FLOPs per weight, x merge^2 patches per merged token
+    assert vision_flops_per_visual_token(dims) == 2 * (v.depth * 10_240 + 37_632 + 6_144) * 4
+    # attention over 4 x 6 patch frames: one full block (24 keys), one window block (the 112-pixel window holds
+    # the whole frame: 24 keys); 2 x hidden FLOPs per (query, key) for q.k and as many for p.v
+    assert (vision_flops_per_visual_token(dims, (4, 6)) - vision_flops_per_visual_token(dims)
+            == 4 * 32 * 48 * 4)
 
 
 def test_one_decoder_layer_matches_the_flop_counter_and_the_hand_count(tiny_vl):
@@ -97,24 +103,32 @@ def test_one_vision_block_matches_the_flop_counter_and_the_hand_count(tiny_vl):
     block = counts[_layer_key(counts, "blocks.0")]
     linear = sum(block.get(op, 0.0) for op in _LINEAR)
     visual_tokens = patches / v.merge**2
-    assert linear == forward_work(dims, 0, 0, visual_tokens, 0).vision / v.depth == patches * 2 * 10_240
+    assert linear == patches * 2 * 10_240
+    embed_and_merger = 2 * patches * (37_632 + 6_144)
+    assert linear * v.depth + embed_and_merger == forward_work(dims, 0, 0, visual_tokens, 0).vision
 
 
 def test_the_schedules_count_what_prefix_cost_counts():
     """The scoring passes of the TRL and Rollplex schedules are prefix/cost.py's serial and shared FLOPs (the
     model `auto` decides from): the reference pass of TRL's schedule is serial_flops; Rollplex's prefix job plus
-    its suffix pass is shared_flops with the cascade suffix."""
+    its suffix pass is shared_flops with the cascade suffix. The step model also counts the vision tower's
+    attention over its frames (prefix/cost.py's decision leaves it out: it scales with the tower runs alike): G
+    runs' worth in TRL's pass, one in the shared one."""
     dims = PRESETS["Qwen2.5-VL-7B"]
     spec = StepSpec(num_gpus=1, train_tp=1, rollout_tp=1, batch=1, num_generations=8, prompt_len=2000,
                     visual_tokens=1800, completion_len=300)
     shape = ScoringShape(2000, 300, 8, 1800)
+    tower_attention = 1800 * (vision_flops_per_visual_token(dims, spec.frame_patches)
+                              - vision_flops_per_visual_token(dims))
+    assert tower_attention > 0
     trl = predict_step(dims, spec, GPUS["H100"], "trl")
-    assert trl.phase("reference").flops == pytest.approx(serial_flops(dims, shape).total, rel=1e-12)
+    serial = serial_flops(dims, shape).total + 8 * tower_attention
+    assert trl.phase("reference").flops == pytest.approx(serial, rel=1e-12)
     rp = predict_step(dims, spec, GPUS["H100"], "rollplex")
     shared = rp.phase("ref_prefix").flops + rp.phase("reference").flops
-    assert shared == pytest.approx(shared_flops(dims, shape, "cascade").total, rel=1e-12)
+    assert shared == pytest.approx(shared_flops(dims, shape, "cascade").total + tower_attention, rel=1e-12)
     # the actor: forward + backward (2x) + recompute (1x) = 4 forwards of the same passes
-    assert trl.phase("actor").flops == pytest.approx(4 * serial_flops(dims, shape).total, rel=1e-12)
+    assert trl.phase("actor").flops == pytest.approx(4 * serial, rel=1e-12)
 
 
 def test_decode_bytes_are_weights_and_kv_per_token_by_hand():
@@ -226,7 +240,7 @@ def test_cpu_gemms_are_priced_at_the_efficiency_of_their_own_size_by_hand():
     # prefix's backward (2 forwards at 128 rows, the clip's backward at 128 patches)
     actor = pred.phase("actor")
     suffix = forward_work(dims, G * (1 + C), G * ((1 + C) * (P - 1) + (1 + C) ** 2 / 2), 0.0, G * C) * 3
-    prefix = forward_work(dims, P - 1, (P - 1) ** 2 / 2, V, 0.0) * 2
+    prefix = forward_work(dims, P - 1, (P - 1) ** 2 / 2, V, 0.0, spec.frame_patches) * 2
     f_suffix = 0.5 + 0.4 * math.log(68 / 64) / math.log(4)
     expected = ((suffix.linear / f_suffix + prefix.linear / f_llm) / 1e11 + (suffix + prefix).attention / 5e10
                 + prefix.vision / (1e11 * f_vis))
@@ -290,6 +304,25 @@ def test_plan_run_answers_a_7b_single_node_h200_run(capsys, tmp_path):
     assert out["schedules"]["rollplex"]["step_s"] < out["schedules"]["trl"]["step_s"]
     if out["gantt"]:  # matplotlib installed
         assert (tmp_path / "step.png").stat().st_size > 1000
+
+
+def test_plan_run_prices_the_vision_towers_attention_over_the_frame_size(capsys):
+    """--frame-size sets the frame the vision tower attends over: 16 frames of 112 x 112 (8 x 8 patches) or
+    448 x 448 (32 x 32). Per visual token the tower's FLOPs differ by its attention alone (the full-attention
+    blocks attend over 16x the keys), as the FLOP model of the tower says."""
+    from rollplex_trl.planning.cli import frame_patches
+
+    assert frame_patches("448x448") == (32, 32) and frame_patches("224x112") == (8, 16)
+    dims = PRESETS["Qwen2.5-VL-7B"]
+    flops = {}
+    for size in ("112x112", "448x448"):
+        out = _plan_json(capsys, "--example", "7b-h200", "--frames", "16", "--frame-size", size)
+        prefill = next(p for p in out["schedules"]["trl"]["phases"] if p["name"] == "rollout_prefill")
+        assert out["spec"]["frame_patches"] == list(frame_patches(size))
+        flops[size] = prefill["vision_flops"] / out["spec"]["visual_tokens"]
+    assert flops["448x448"] / flops["112x112"] == pytest.approx(
+        vision_flops_per_visual_token(dims, (32, 32)) / vision_flops_per_visual_token(dims, (8, 8)), rel=1e-9)
+    assert flops["448x448"] > flops["112x112"]
 
 
 def test_plan_run_says_what_does_not_fit_and_the_cheapest_setting_that_does(capsys):

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from rollplex_trl.memory.model_dims import dims_from_config
+from rollplex_trl.memory.model_dims import PRESETS, dims_from_config
 from rollplex_trl.prefix.batch import shared_prefix_logps
 from rollplex_trl.prefix.cost import (
     SHARE_MARGIN,
@@ -28,6 +28,7 @@ from rollplex_trl.prefix.cost import (
     choose_sharing,
     serial_flops,
     shared_flops,
+    vision_attention_keys_per_patch,
     vision_flops_per_visual_token,
 )
 from rollplex_trl.prefix.suffix_attention import unsupported_reason
@@ -107,26 +108,44 @@ def test_shared_flops_equal_the_counted_prefix_and_suffix_passes(tiny_qwen2_path
         assert products == pytest.approx(prefix_square, rel=1e-9)
 
 
-def test_vision_flops_equal_the_counted_vision_tower(tiny_vl_path):
-    """The vision tower's blocks per merged visual token (what the serial path pays G times, the shared once)."""
-    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("grid", [(2, 4, 6), (2, 12, 20), (1, 16, 16)], ids=lambda g: "x".join(map(str, g)))
+def test_vision_flops_equal_the_counted_vision_tower(family, grid):
+    """The whole vision tower per merged visual token, attention included, against PyTorch's FLOP counter on the
+    real tower (eager attention: its products are counted matmuls): the blocks' projections and MLPs, the patch
+    embedding's convolution, the merger(s) and the attention within windows (Qwen2.5-VL: the 12 x 20 frame has
+    partial windows at its bottom and right edges) or over each temporal slice (the full blocks, Qwen3-VL)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
-    config = AutoConfig.from_pretrained(tiny_vl_path)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_vl_path, attn_implementation="sdpa").eval()
-    dims = dims_from_config(config, "tiny")
+    from rollplex_trl.testing.checkpoints import get_checkpoint
+
+    path = get_checkpoint(family, "tiny")
+    dims = dims_from_config(AutoConfig.from_pretrained(path), "tiny")
+    model = AutoModelForImageTextToText.from_pretrained(path, attn_implementation="eager").eval()
     v = dims.vision
-    grid = torch.tensor([[2, 4, 6]])  # t, h, w patches
-    patches = int(grid.prod())
+    thw = torch.tensor([grid])
+    patches = int(thw.prod())
     pixels = torch.randn(patches, v.in_channels * v.temporal_patch * v.patch * v.patch)
-    visual = model.model.visual
     with torch.no_grad():
-        counted = _counted(lambda: visual(pixels, grid_thw=grid))
-    # counted: the blocks' linears (modelled), the merger MLP (not modelled: small and the same in both paths'
-    # ratio direction); the patch embedding is a convolution
-    merged = v.hidden * v.merge**2
-    merger = 2 * (patches // v.merge**2) * (merged * merged + merged * v.out_hidden)
-    blocks = sum(n for op, n in counted.items() if op in ("aten.mm", "aten.addmm")) - merger
-    assert blocks == pytest.approx(vision_flops_per_visual_token(dims) * patches / v.merge**2, rel=1e-9)
+        counted = _counted(lambda: model.model.visual(pixels, grid_thw=thw))
+    assert set(counted) <= {"aten.mm", "aten.addmm", "aten.bmm", "aten.convolution"}, counted
+    modelled = vision_flops_per_visual_token(dims, frame=grid[1:]) * patches / v.merge**2
+    assert sum(counted.values()) == pytest.approx(modelled, rel=1e-9)
+    # without a frame: everything but the attention products
+    assert sum(n for op, n in counted.items() if op != "aten.bmm") == pytest.approx(
+        vision_flops_per_visual_token(dims) * patches / v.merge**2, rel=1e-9)
+
+
+def test_vision_attention_keys_by_hand():
+    """Qwen2.5-VL-7B's tower (32 blocks, 4 of them full, 112-pixel windows = 8 x 8 patches) on 448 x 448 frames
+    (32 x 32 patches): 28 window blocks of 64 keys and 4 full blocks of 1024; on 12 x 20 patches the windows are
+    8 x 8, 8 x 8, 8 x 4 and 4 x 8, 4 x 8, 4 x 4 (sizes 64, 64, 32, 32, 32, 16: squares summing to 11,520 over 240
+    patches); Qwen3-VL attends over the frame in every block."""
+    dims = PRESETS["Qwen2.5-VL-7B"]
+    assert vision_attention_keys_per_patch(dims, (32, 32)) == 28 * 64 + 4 * 1024
+    assert vision_attention_keys_per_patch(dims, (12, 20)) == 28 * 11_520 / 240 + 4 * 240
+    qwen3 = PRESETS["Qwen3-VL-8B"]
+    assert vision_attention_keys_per_patch(qwen3, (12, 20)) == qwen3.vision.depth * 240
 
 
 def _benchmark_rows():
