@@ -212,8 +212,10 @@ def assumptions(plan: RunPlan) -> list[str]:
         f"{hw.inter_bw / 1e9:.0f} GB/s each way per GPU, PCIe {hw.host_bw / 1e9:.0f} GB/s, {hw.mem_gib:.1f} GiB "
         f"({hw.source}).",
         "FLOPs: prefix/cost.py's terms (2 per weight per token in every projection and MLP, 4 x heads x head_dim "
-        "per (query, key) pair and layer, causal halves, the vision tower's blocks per merged visual token, the LM "
-        "head on the scored positions); backward = 2 x forward, recompute = 1 x forward more.",
+        "per (query, key) pair and layer, causal halves, the whole vision tower per merged visual token (blocks, "
+        "patch embedding, mergers, its attention within windows or over frames of "
+        f"{s.frame_patches[0]} x {s.frame_patches[1]} patches), the LM head on the scored positions); backward = "
+        "2 x forward, recompute = 1 x forward more.",
         f"Decode: per generated token the decoder's weights and LM head (once per wave of {s.max_num_seqs} "
         "sequences) and every attended token's K/V are read; with shared-prefix decoding the prompt's K/V once "
         "per prompt.",
