@@ -289,8 +289,7 @@ def _vision_tower(dims: ModelDims):
         depth=v.depth, hidden_size=v.hidden, intermediate_size=v.intermediate, num_heads=v.heads, patch_size=v.patch,
         temporal_patch_size=v.temporal_patch, spatial_merge_size=v.merge, out_hidden_size=v.out_hidden,
         in_channels=v.in_channels, window_size=v.window or 10**6, hidden_act="silu",
-        fullatt_block_indexes=[round((i + 1) * v.depth / full) - 1 for i in range(full)])
-    config._attn_implementation = "sdpa"
+        fullatt_block_indexes=[round((i + 1) * v.depth / full) - 1 for i in range(full)], attn_implementation="sdpa")
     torch.manual_seed(0)
     return Qwen2_5_VisionTransformerPretrainedModel(config)
 
