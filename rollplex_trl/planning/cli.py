@@ -85,16 +85,24 @@ def _settings(args: argparse.Namespace) -> dict:
     return base
 
 
+def frame_size(size: str) -> tuple[int, int]:
+    """(width, height) in pixels from "WxH" (--frame-size), or a ValueError saying what is expected."""
+    parts = size.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--frame-size must be WIDTHxHEIGHT in pixels, e.g. 448x448; got {size!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def visual_tokens(frames: int, size: str, temporal_patch: int = 2, unit: int = 28) -> int:
     """Merged visual tokens of `frames` frames of `size` (WxH, rounded down to 28-pixel units)."""
-    w, h = (int(x) for x in size.lower().split("x"))
+    w, h = frame_size(size)
     return math.ceil(frames / temporal_patch) * max(1, w // unit) * max(1, h // unit)
 
 
 def frame_patches(size: str, unit: int = 28, merge: int = 2) -> tuple[int, int]:
     """One frame's height x width in patches (`size` WxH rounded down to `unit`-pixel merged tokens, as
     `visual_tokens` counts them): what the vision tower's attention spans."""
-    w, h = (int(x) for x in size.lower().split("x"))
+    w, h = frame_size(size)
     return max(1, h // unit) * merge, max(1, w // unit) * merge
 
 

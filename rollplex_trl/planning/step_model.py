@@ -12,7 +12,8 @@ Every phase is counted as work, then priced on a device (planning/hardware.py):
   reduce-scatter and parameter all-gather, the weight sync's remote part, offload traffic over PCIe.
 
 A phase takes max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth) + link bytes / link bandwidth + per-call
-overheads (kernel launches, or on CPU the framework's Python per layer and per call: hardware.py, calibrate.py).
+overheads (kernel launches, or on CPU the framework's Python per layer and per call: hardware.py, calibrate.py);
+a decode phase runs its GEMMs (weights) and its attention (K/V) one after the other, each at that max.
 Where the device measured its GEMM rate at several sizes (the calibrated CPU), each phase's GEMMs are priced at
 their own rows per call (tokens of one forward; patches of one vision run): `Hardware.gemm_factor`.
 
@@ -278,12 +279,13 @@ class _Pricer:
         collectives the link time pays a latency for; `vision_tp`: ranks the vision tower's FLOPs split over
         (default `tp`); `vision_runs`: vision-tower runs (each pays its blocks' overhead)."""
         hw, dims = self.hw, self.dims
-        rate, attn_rate = hw.flops(self.spec.precision), hw.attention_rate(self.spec.precision)
+        rate = hw.flops(self.spec.precision)
+        # a decode step's attention has one query per row: the CPU's fused kernel is slow there (its own measured
+        # rate); the shared-prefix decode's prompt part is one batched matmul per prompt (prefix/cascade.py)
+        attn_rate = ((rate if shared_decode else hw.decode_attention_rate(self.spec.precision)) if steps
+                     else hw.attention_rate(self.spec.precision))
         vit = vision_tp or tp
         linear = cost.flops - cost.vision_flops - cost.attention_flops
-        if steps:  # one query per row: the CPU's fused kernel is slow there; the shared-prefix decode's prompt part
-            # is one batched matmul per prompt (prefix/cascade.py): the GEMM rate
-            attn_rate = rate if shared_decode else hw.decode_attention_rate(self.spec.precision)
         gemm_s = linear / (tp * rate * cost.linear_efficiency)
         attention_s = cost.attention_flops / (tp * attn_rate)
         cost.compute_s = gemm_s + attention_s + cost.vision_flops / (vit * rate * cost.vision_efficiency)

@@ -313,6 +313,9 @@ def test_plan_run_prices_the_vision_towers_attention_over_the_frame_size(capsys)
     from rollplex_trl.planning.cli import frame_patches
 
     assert frame_patches("448x448") == (32, 32) and frame_patches("224x112") == (8, 16)
+    for bad in ("448", "448x", "axb", "0x448"):
+        with pytest.raises(ValueError, match="--frame-size must be WIDTHxHEIGHT"):
+            frame_patches(bad)
     dims = PRESETS["Qwen2.5-VL-7B"]
     flops = {}
     for size in ("112x112", "448x448"):
